@@ -1,0 +1,133 @@
+"""Every development and CI task of the moet monorepo is a nox session (`nox -l` lists them).
+
+Test, lint and check sessions run in the environment nox itself runs in (the shared `.venv` that
+`ci/setup.sh` builds), so CI installs everything once. `wheels` and `install` build and check the
+distributable artifacts in isolation.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+nox.options.sessions = ["lint", "versions", "recipes", "tests"]
+nox.options.error_on_missing_interpreters = True
+
+# short name -> distribution folder under packages/
+PACKAGES = {
+    "quant": "moet-quant",
+    "store": "moet-store",
+    "kernels": "moet-kernels",
+    "vllm": "moet-vllm",
+    "meta": "moet",
+}
+NATIVE = {"moet-store"}  # packages with compiled extensions (auditwheel-repaired)
+
+
+def _pkg_dir(short: str) -> Path:
+    return ROOT / "packages" / PACKAGES[short]
+
+
+@nox.session(python=False)
+@nox.parametrize("pkg", list(PACKAGES), ids=list(PACKAGES))
+def tests(session: nox.Session, pkg: str) -> None:
+    """Run one package's test suite (pytest; for store also the C++ unit suite) in the shared venv."""
+    if pkg == "store":
+        build = ROOT / "build" / "store-cxx-tests"
+        session.run("cmake", "-S", str(_pkg_dir(pkg)), "-B", str(build), "-G", "Ninja",
+                    "-DMOET_STORE_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                    "-DPython_EXECUTABLE=" + sys.executable, external=True)
+        session.run("cmake", "--build", str(build), external=True)
+        session.run("ctest", "--test-dir", str(build), "--output-on-failure", external=True)
+    session.run("python", "-m", "pytest", "-q", str(_pkg_dir(pkg) / "tests"), *session.posargs)
+
+
+@nox.session(python=False)
+def lint(session: nox.Session) -> None:
+    """ruff on all Python; clang-format (dry run) on all C++ sources."""
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    cxx = [p for p in glob.glob("packages/*/src/**/*.[ch]pp", recursive=True)
+           + glob.glob("packages/*/tests/**/*.[ch]pp", recursive=True)
+           + glob.glob("packages/*/src/**/*.cu", recursive=True)]
+    if cxx:
+        session.run("clang-format", "--dry-run", "--Werror", *cxx, external=True)
+
+
+@nox.session(python=False)
+def versions(session: nox.Session) -> None:
+    """Check that every inter-package pin and the meta-package's pins match the packages' versions."""
+    session.run("python", "ci/check_versions.py")
+
+
+@nox.session(python=False)
+def recipes(session: nox.Session) -> None:
+    """Check that each conda recipe (recipe/recipe.yaml) agrees with its pyproject.toml."""
+    session.run("python", "ci/check_recipes.py")
+
+
+@nox.session(python=False)
+def wheels(session: nox.Session) -> None:
+    """Build every wheel into dist/; native wheels are repaired to a manylinux tag by auditwheel."""
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    raw = ROOT / "build" / "raw-wheels"
+    shutil.rmtree(raw, ignore_errors=True)
+    for name in PACKAGES.values():
+        out = raw if name in NATIVE else dist
+        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
+                    str(ROOT / "packages" / name))
+    for whl in glob.glob(str(raw / "*.whl")):
+        session.run("auditwheel", "repair", "--wheel-dir", str(dist), whl, external=True)
+    bad = [w for w in glob.glob(str(dist / "*.whl")) if "linux_x86_64" in w]
+    if bad:
+        session.error(f"unrepaired native wheels in dist/: {bad}")
+
+
+@nox.session(python=False)
+def install(session: nox.Session) -> None:
+    """Install every wheel from dist/ into a fresh venv and import every package there."""
+    wheels_ = sorted(glob.glob(str(ROOT / "dist" / "*.whl")))
+    if not wheels_:
+        session.error("dist/ holds no wheels: run `nox -s wheels` first")
+    with tempfile.TemporaryDirectory(prefix="moet-install-") as tmp:
+        venv = Path(tmp) / "venv"
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+        py = str(venv / "bin" / "python")
+        # torch is pinned to the local CPU build so pip never reaches for a CUDA wheel.
+        session.run(py, "-m", "pip", "install", "-q", "torch==2.13.0", *wheels_, external=True)
+        code = ("import moet_quant, moet_store, moet_kernels, moet_vllm; "
+                "print('imported', moet_quant.__version__, moet_store.__version__, "
+                "moet_kernels.__version__, moet_vllm.__version__)")
+        session.run(py, "-c", code, external=True, env={"PYTHONNOUSERSITE": "1"})
+        session.run(str(venv / "bin" / "moet"), "--help", external=True, silent=True)
+        session.run(str(venv / "bin" / "moet-quant"), "--help", external=True, silent=True)
+
+
+@nox.session(python=False)
+def ci(session: nox.Session) -> None:
+    """Everything CI runs, in order: lint, versions, recipes, every test suite, wheels, install."""
+    for name in ["lint", "versions", "recipes"]:
+        session.notify(name)
+    for short in PACKAGES:
+        session.notify(f"tests({short})")
+    session.notify("wheels")
+    session.notify("install")
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (not timed tests): `nox -s bench -- quant` re-quantization throughput vs a cold read."""
+    which = session.posargs or ["quant"]
+    for name in which:
+        session.run("python", f"bench/{name}.py", env={"PYTHONHASHSEED": "0"})
+
+
+os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
