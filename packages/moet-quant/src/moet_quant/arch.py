@@ -42,8 +42,9 @@ FAMILIES = (
            "concat"),
     Family("kimi", ("KimiK2ForCausalLM",), ("n_routed_experts",), ("moe_intermediate_size",),
            "concat"),
-    Family("qwen3-moe", ("Qwen3MoeForCausalLM",), ("num_experts",), ("moe_intermediate_size",),
-           "concat"),
+    # transformers >= 5 saves Qwen3-MoE's `num_experts` as `num_local_experts` (attribute_map)
+    Family("qwen3-moe", ("Qwen3MoeForCausalLM",), ("num_experts", "num_local_experts"),
+           ("moe_intermediate_size",), "concat"),
     Family("mixtral", ("MixtralForCausalLM",), ("num_local_experts",), ("intermediate_size",),
            "concat"),
     Family("gpt-oss", ("GptOssForCausalLM",), ("num_local_experts", "num_experts"),

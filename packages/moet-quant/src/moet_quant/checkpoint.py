@@ -36,6 +36,7 @@ class ProjectionSource:
     """One routed expert projection in the source checkpoint, logical shape [N, K]."""
 
     key: ExpertKey
+    moe: str  # the MoE module's name, e.g. "model.layers.3.mlp"
     fmt: str  # one of SOURCE_FORMATS
     shape: tuple[int, int]
     tensors: tuple[str, ...]  # the source tensors it reads (fused tensors are shared)
@@ -45,7 +46,8 @@ class ProjectionSource:
 
     @property
     def name(self) -> str:
-        return f"layers.{self.key.layer}.experts.{self.key.expert}.{self.key.proj}"
+        """The projection's name in a moet checkpoint (before the .w2_codes/... suffix)."""
+        return f"{self.moe}.experts.{self.key.expert}.{self.key.proj}_proj"
 
     def load(self):
         """-> formats.Encoded (integer-coded sources) or float64 ndarray (fp32 sources)."""
@@ -167,17 +169,19 @@ class Checkpoint:
     def _scan(self) -> None:
         per_expert: dict[str, dict[str, str]] = defaultdict(dict)  # base -> suffix -> name
         keys: dict[str, ExpertKey] = {}
+        moes: dict[str, str] = {}
         fused: dict[str, dict] = {}
         for name in self.st.names():
             key, suffix, m = classify(name)
             if key is not None:
                 per_expert[m["base"]][suffix] = name
-                keys[m["base"]] = key
+                keys[m["base"]], moes[m["base"]] = key, m["moe"]
             elif suffix is not None:
-                g = fused.setdefault(m["base"], {"layer": m["layer"], "proj": m["fused"], "parts": {}})
+                g = fused.setdefault(m["base"], {"layer": m["layer"], "proj": m["fused"],
+                                                 "moe": m["moe"], "parts": {}})
                 g["parts"][suffix] = name
         for base, parts in per_expert.items():
-            self.sources.append(self._per_expert_source(keys[base], base, parts))
+            self.sources.append(self._per_expert_source(keys[base], moes[base], base, parts))
         for base, g in fused.items():
             self.sources.extend(self._fused_sources(base, g))
         if not self.sources:
@@ -187,7 +191,8 @@ class Checkpoint:
         self.sources.sort(key=lambda s: (s.key.layer, s.key.expert, ("gate", "up", "down").index(
             s.key.proj)))
 
-    def _per_expert_source(self, key: ExpertKey, base: str, parts: dict[str, str]) -> ProjectionSource:
+    def _per_expert_source(self, key: ExpertKey, moe: str, base: str,
+                           parts: dict[str, str]) -> ProjectionSource:
         st = self.st
         names = tuple(parts.values())
         nbytes = sum(st.info(n).nbytes for n in names)
@@ -213,7 +218,7 @@ class Checkpoint:
                     st.array(parts["weight_packed"]), formats.scale_to_f64(st.array(sc.name), sc.dtype),
                     (n, k), group, base)
 
-            return ProjectionSource(key, "int4-pack", (n, k), names, nbytes, load_int4)
+            return ProjectionSource(key, moe, "int4-pack", (n, k), names, nbytes, load_int4)
         if "weight" not in parts:
             raise unsupported()
         w = st.info(parts["weight"])
@@ -226,19 +231,19 @@ class Checkpoint:
             fmt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[w.dtype]
             loader = {"BF16": formats.from_bf16, "F16": formats.from_f16,
                       "F32": formats.f32_to_f64}[w.dtype]
-            return ProjectionSource(key, fmt, (n, k), names, nbytes,
+            return ProjectionSource(key, moe, fmt, (n, k), names, nbytes,
                                     lambda: loader(st.array(w.name), base))
         if w.dtype == "F8_E4M3" and extra == {"weight_scale_inv"}:
             block = tuple((self.source_qconfig or {}).get("weight_block_size") or (128, 128))
-            return ProjectionSource(key, "fp8-block", (n, k), names, nbytes, lambda: formats.from_fp8_block(
+            return ProjectionSource(key, moe, "fp8-block", (n, k), names, nbytes, lambda: formats.from_fp8_block(
                 st.array(w.name), st.array(parts["weight_scale_inv"]), block, base))
         if w.dtype == "F8_E4M3" and extra == {"weight_scale"}:
             s = st.info(parts["weight_scale"])
             if len(s.shape) == 4:
-                return ProjectionSource(key, "fp8-pb-wo", (n, k), names, nbytes, lambda: formats.from_fp8_block(
+                return ProjectionSource(key, moe, "fp8-pb-wo", (n, k), names, nbytes, lambda: formats.from_fp8_block(
                     st.array(w.name), st.array(s.name), (128, 128), base))
             if int(np.prod(s.shape)) in (1, n):
-                return ProjectionSource(key, "fp8-tensor", (n, k), names, nbytes, lambda: formats.from_fp8_tensor(
+                return ProjectionSource(key, moe, "fp8-tensor", (n, k), names, nbytes, lambda: formats.from_fp8_tensor(
                     st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base))
             raise unsupported()
         if w.dtype == "U8" and extra == {"weight_scale", "weight_scale_2"} \
@@ -255,7 +260,7 @@ class Checkpoint:
                         "scales": np.array(st.array(parts["weight_scale"])),
                         "scale_2": np.array(st.array(parts["weight_scale_2"]), dtype=np.float32)}
 
-            return ProjectionSource(key, "nvfp4", (n, k), names, nbytes, load_nvfp4, fp4x_nvfp4)
+            return ProjectionSource(key, moe, "nvfp4", (n, k), names, nbytes, load_nvfp4, fp4x_nvfp4)
         raise unsupported()
 
     def _int4_group(self, base: str) -> int:
@@ -306,7 +311,7 @@ class Checkpoint:
                         nib, sc = formats.mxfp4_parts(b, s, f"{base}[{e}].{proj}")
                         return {"codes": np.ascontiguousarray(b.reshape(b.shape[0], -1)), "scales": sc}
 
-                    out.append(ProjectionSource(ExpertKey(layer, e, proj), "mxfp4", (n, kb * 32), names,
+                    out.append(ProjectionSource(ExpertKey(layer, e, proj), g["moe"], "mxfp4", (n, kb * 32), names,
                                                 share // len(projs), load, fp4x))
             return out
         if "" not in parts:
@@ -336,7 +341,7 @@ class Checkpoint:
         shapes = {p: tuple(view(0, p).shape) for p in projs}
         for e in range(n_e):
             for proj in projs:
-                out.append(ProjectionSource(ExpertKey(layer, e, proj), fmt, shapes[proj], (t.name,),
+                out.append(ProjectionSource(ExpertKey(layer, e, proj), g["moe"], fmt, shapes[proj], (t.name,),
                                             t.nbytes // (n_e * len(projs)),
                                             lambda e=e, proj=proj: loader(view(e, proj),
                                                                           f"{t.name}[{e}].{proj}")))

@@ -1,0 +1,111 @@
+"""The safetensors reader/writer against the reference `safetensors` library, and bad files."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moet_quant.errors import CheckpointError
+from moet_quant.safetensors_io import (
+    OutTensor,
+    SafetensorsFile,
+    ShardedSafetensors,
+    write_safetensors,
+)
+
+
+def test_reads_what_the_reference_library_writes(tmp_path):
+    ts = {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int32),
+          "c": torch.randn(2, 2).to(torch.float8_e4m3fn), "d": torch.randn(4, 1, dtype=torch.float16)}
+    save_file(ts, tmp_path / "m.safetensors")
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    for name, t in ts.items():
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes()
+        assert f.array(name).tobytes() == raw and f.array(name).shape == tuple(t.shape)
+    assert f.tensors["a"].dtype == "BF16" and f.tensors["c"].dtype == "F8_E4M3"
+
+
+def test_reference_library_reads_what_we_write(tmp_path):
+    arrays = {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "y": np.arange(5, dtype=np.uint8)}
+    metas = [OutTensor(n, {"float32": "F32", "uint8": "U8"}[str(a.dtype)], a.shape)
+             for n, a in arrays.items()]
+    write_safetensors(tmp_path / "w.safetensors", metas, iter(arrays.values()), {"format": "pt"})
+    back = load_file(tmp_path / "w.safetensors")
+    for n, a in arrays.items():
+        assert (back[n].numpy() == a).all()
+    assert not (tmp_path / "w.safetensors.partial").exists()
+
+
+def test_writer_leaves_no_final_file_on_failure(tmp_path):
+    metas = [OutTensor("x", "U8", (4,)), OutTensor("y", "U8", (4,))]
+
+    def data():
+        yield np.zeros(4, np.uint8)
+        raise RuntimeError("producer died")
+
+    with pytest.raises(RuntimeError):
+        write_safetensors(tmp_path / "w.safetensors", metas, data())
+    assert not (tmp_path / "w.safetensors").exists()
+
+
+def _write(tmp_path, name="m.safetensors"):
+    save_file({"w": torch.ones(64, 64), "v": torch.zeros(8)}, tmp_path / name)
+    return tmp_path / name
+
+
+def test_truncated_file_names_file_and_tensor(tmp_path):
+    p = _write(tmp_path)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=r"m\.safetensors.*tensor 'w'.*truncated"):
+        SafetensorsFile(p)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda b: b[:5], "truncated"),
+    (lambda b: struct.pack("<Q", 10**12) + b[8:], "header length"),
+    (lambda b: b[:8] + b"{not json" + b[17:], "corrupt header JSON"),
+])
+def test_corrupt_headers(tmp_path, mutate, match):
+    p = _write(tmp_path)
+    p.write_bytes(mutate(p.read_bytes()))
+    with pytest.raises(CheckpointError, match=match):
+        SafetensorsFile(p)
+
+
+def test_wrong_byte_count_and_overlap(tmp_path):
+    def write_header(h):
+        raw = json.dumps(h).encode()
+        (tmp_path / "h.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(64))
+
+    write_header({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}})
+    with pytest.raises(CheckpointError, match="needs 16 bytes"):
+        SafetensorsFile(tmp_path / "h.safetensors")
+    write_header({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                  "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})
+    with pytest.raises(CheckpointError, match="overlap"):
+        SafetensorsFile(tmp_path / "h.safetensors")
+    write_header({"a": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}})
+    with pytest.raises(CheckpointError, match="unsupported dtype 'Q4'"):
+        SafetensorsFile(tmp_path / "h.safetensors")
+
+
+def test_sharded_index_missing_shard_and_stale_index(tmp_path):
+    _write(tmp_path, "a.safetensors")
+    index = {"weight_map": {"w": "a.safetensors", "v": "a.safetensors", "z": "b.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="missing shard.*b.safetensors"):
+        ShardedSafetensors(tmp_path)
+    index["weight_map"]["z"] = "a.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="no tensor 'z'"):
+        ShardedSafetensors(tmp_path)
+
+
+def test_never_loads_pickles(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not a real pickle")
+    with pytest.raises(CheckpointError, match="never loads pickled"):
+        ShardedSafetensors(tmp_path)
