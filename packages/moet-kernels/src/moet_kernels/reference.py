@@ -1,0 +1,137 @@
+"""Torch reference implementations of the moet ops: the CPU serving path and the GPU test oracle.
+
+Weights are in the logical W2 layout of moet checkpoints (design.md, Formats; `layout.LAYOUT_ID`):
+
+- codes uint8 [N, K/4]: code c of weight (n, k) is bits 2*(k % 4) .. 2*(k % 4) + 1 of byte
+  codes[n, k // 4] (4 codes per byte, little-endian 2-bit fields along K);
+- levels: c = 0, 1, 2, 3 -> -4, -1, +1, +4;
+- scales uint8 [N, K/32]: UE8M0, byte b of block k // 32 is 2**(b - 127); b = 255 is NaN
+  (as in OCP MX and `moet_quant.numerics.ue8m0_to_f64`);
+- w[n, k] = level(c) * 2**(b - 127).
+
+Every product level * 2**(b - 127) is a power of two, so the float32 result is exact wherever
+float32 can hold it: from 2**-127 (a subnormal) up to 2**127; |w| = 2**128 and 2**129 (level 4 with
+b = 253 or 254) overflow to +-inf. The references have two modes (design.md, Kernels): `exact`
+(activations unquantized: the CPU serving path) is implemented here; `kernel` (mimicking the
+kernels' activation quantization) comes with the kernels, whose quantization it must mirror.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LEVELS = (-4.0, -1.0, 1.0, 4.0)  # by 2-bit code
+BLOCK = 32  # weights per UE8M0 scale, along K
+CODES_PER_BYTE = 4
+MODES = ("exact", "kernel")
+
+
+def w2_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Dequantize one W2 matrix: codes uint8 [N, K/4], scales uint8 [N, K/32] -> float32 [N, K].
+
+    Exact (see the module docstring); leading batch dimensions (e.g. experts) are allowed:
+    codes [..., N, K/4], scales [..., N, K/32] -> [..., N, K].
+    """
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError(f"codes and scales must be uint8, got {codes.dtype} and {scales.dtype}")
+    if codes.dim() < 2 or codes.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(
+            f"codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must be [..., N, K/4] "
+            "and [..., N, K/32] with the same leading dimensions"
+        )
+    k = codes.shape[-1] * CODES_PER_BYTE
+    if k != scales.shape[-1] * BLOCK:
+        raise ValueError(
+            f"codes {tuple(codes.shape)} give K = {k}, scales {tuple(scales.shape)} give "
+            f"K = {scales.shape[-1] * BLOCK}: expected codes [N, K/4] and scales [N, K/32]"
+        )
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)  # field j at bit 2j
+    fields = (codes.unsqueeze(-1) >> shifts) & 3  # [..., N, K/4, 4]: k = 4 * byte + j
+    fields = fields.reshape(*codes.shape[:-1], k).long()
+    levels = torch.tensor(LEVELS, dtype=torch.float64, device=codes.device)[fields]
+    exps = scales.to(torch.float64) - 127.0
+    block_scale = torch.where(scales == 255, torch.nan, torch.exp2(exps))  # exact powers of two
+    w = levels * block_scale.repeat_interleave(BLOCK, dim=-1)
+    return w.to(torch.float32)
+
+
+def _check_expert_weights(
+    name: str, codes: torch.Tensor, scales: torch.Tensor, n: int | None, k: int | None
+) -> tuple[int, int, int]:
+    if codes.dim() != 3 or scales.dim() != 3:
+        raise ValueError(f"{name}: codes and scales must be [E, N, K/4] and [E, N, K/32]")
+    e, rows, kk = codes.shape[0], codes.shape[1], codes.shape[2] * CODES_PER_BYTE
+    if tuple(scales.shape) != (e, rows, kk // BLOCK) or kk % BLOCK:
+        raise ValueError(
+            f"{name}: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} disagree "
+            "(expected [E, N, K/4] and [E, N, K/32], K a multiple of 32)"
+        )
+    if (n is not None and rows != n) or (k is not None and kk != k):
+        raise ValueError(f"{name}: expected [E, {n}, {k}] weights, got [E, {rows}, {kk}]")
+    return e, rows, kk
+
+
+def w2_moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor],
+    w2: tuple[torch.Tensor, torch.Tensor],
+    mode: str = "exact",
+) -> torch.Tensor:
+    """The routed-experts part of one MoE layer with W2 weights -> float32 [T, H].
+
+    x [T, H] (any float dtype); topk_ids [T, k] (integer expert ids); topk_weights [T, k];
+    w13 = (codes uint8 [E, 2I, H/4], scales uint8 [E, 2I, H/32]): rows 0..I-1 are the gate
+    projection, rows I..2I-1 the up projection (vLLM's fused w13 order);
+    w2 = (codes uint8 [E, H, I/4], scales uint8 [E, H, I/32]), the down projection.
+
+    `exact` mode: weights are dequantized exactly to float32 and activations stay unquantized.
+    For each (token t, slot j): a = SiLU(x W_gate^T) * (x W_up^T); y_j = a W_down^T, all in
+    float32; then out[t] = sum over j = 0, 1, ..., k-1 in that fixed order of
+    topk_weights[t, j] * y_j, accumulated in float32 (the routing weight is applied after the
+    down projection). A slot routed to the same expert twice counts twice.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "kernel":
+        raise NotImplementedError(
+            "mode='kernel' mirrors the GPU kernels' activation quantization; it comes with the "
+            "kernels (this version has none). Use mode='exact'."
+        )
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a float [T, H] tensor, got {x.dtype} {tuple(x.shape)}")
+    t, h = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+            f"must both be [T={t}, k]"
+        )
+    e, two_i, _ = _check_expert_weights("w13", *w13, None, h)
+    if two_i % 2:
+        raise ValueError(f"w13 must have 2*I rows (gate then up), got {two_i}")
+    inter = two_i // 2
+    e2, _, _ = _check_expert_weights("w2", *w2, h, inter)
+    if e2 != e:
+        raise ValueError(f"w13 has {e} experts but w2 has {e2}")
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
+        raise ValueError(f"topk_ids must lie in [0, {e}), got [{topk_ids.min()}, {topk_ids.max()}]")
+
+    xf = x.to(torch.float32)
+    ids = topk_ids.long()
+    slot_out = torch.zeros(t, ids.shape[1], h, dtype=torch.float32, device=x.device)
+    for expert in torch.unique(ids).tolist():  # dequantize each routed expert once
+        tok, slot = torch.nonzero(ids == expert, as_tuple=True)
+        w13_e = w2_dequant(w13[0][expert], w13[1][expert])  # [2I, H]
+        w2_e = w2_dequant(w2[0][expert], w2[1][expert])  # [H, I]
+        gate_up = xf[tok] @ w13_e.T  # [n, 2I]
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        slot_out[tok, slot] = act @ w2_e.T
+    weights = topk_weights.to(torch.float32)
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    for j in range(ids.shape[1]):  # fixed-order top-k sum
+        out += weights[:, j : j + 1] * slot_out[:, j]
+    return out
+
+
+__all__ = ["BLOCK", "LEVELS", "MODES", "w2_dequant", "w2_moe_reference"]

@@ -1,0 +1,144 @@
+"""`moet`, the one user-facing command (design.md, Layout).
+
+Subcommands of the components are theirs, not re-implemented here: `convert`, `inspect`, `study`
+(and whatever else moet-quant adds) come from `moet_quant.cli.add_subcommands`. `doctor` is this
+package's: it reports the vLLM version, the plugin's entry point, the kernels and the store.
+
+A user-facing error (an exception with a `.message`, e.g. `moet_quant.errors.MoetError`) prints one
+line to stderr and exits 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+
+from . import __version__, compat
+
+PLUGIN_GROUP = "vllm.general_plugins"
+PLUGIN_NAME = "moet"
+PLUGIN_TARGET = "moet_vllm.plugin:register"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from moet_quant.cli import add_subcommands
+
+    parser = argparse.ArgumentParser(
+        prog="moet",
+        description="moet: serve Mixture-of-Experts models larger than the GPU through stock vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"moet-vllm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_subcommands(sub)  # convert, inspect, study, ... (moet-quant)
+    doctor = sub.add_parser(
+        "doctor",
+        help="check this installation: vLLM, the plugin entry point, kernels, store",
+        description="Report what moet finds on this machine and whether it can serve.",
+    )
+    doctor.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        help="pack directory for the store report (default: the store's default cache directory)",
+    )
+    doctor.set_defaults(func=run_doctor)
+    return parser
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    """Prints one line per check; exits 1 when something would stop moet from serving."""
+    problems = 0
+    print(
+        f"moet-vllm {__version__} (moet-quant {_dist_version('moet-quant')}, "
+        f"moet-kernels {_dist_version('moet-kernels')}, moet-store {_dist_version('moet-store')})"
+    )
+
+    found = compat.installed_vllm()
+    if found is None:
+        print(f"vllm: not installed (moet-vllm supports vLLM {compat.SUPPORTED}; [gpu] or [cpu])")
+    else:
+        dist, version = found
+        if compat.is_supported(version):
+            print(f"vllm: {dist} {version}, supported ({compat.SUPPORTED})")
+        else:
+            problems += 1
+            print(f"vllm: {dist} {version}, NOT supported (moet-vllm needs {compat.SUPPORTED})")
+
+    eps = [
+        ep
+        for ep in metadata.entry_points(group=PLUGIN_GROUP)
+        if ep.name == PLUGIN_NAME and ep.value.replace(" ", "") == PLUGIN_TARGET
+    ]
+    if eps:
+        print(f"plugin: entry point {PLUGIN_GROUP}: {PLUGIN_NAME} = {PLUGIN_TARGET} registered")
+    else:
+        problems += 1
+        print(
+            f"plugin: entry point {PLUGIN_GROUP}: {PLUGIN_NAME} not found; reinstall moet-vllm "
+            "(pip install --force-reinstall moet-vllm)"
+        )
+
+    from moet_kernels.loader import kernels_available
+
+    ok, reason = kernels_available()
+    print(f"kernels: {'available' if ok else 'unavailable'}{'' if ok else ' (' + reason + ')'}")
+
+    print(_store_report(args.path))
+    if problems:
+        print(f"doctor: {problems} problem(s) found")
+    return 1 if problems else 0
+
+
+def _store_report(path: str | None) -> str:
+    try:
+        import moet_store
+    except ImportError as exc:
+        return f"store: moet-store is not importable ({exc}); pip install moet-store"
+    doctor = getattr(moet_store, "doctor", None)
+    fmt = getattr(moet_store, "format_doctor", None)
+    if doctor is None or fmt is None:
+        return (
+            f"store: moet-store {getattr(moet_store, '__version__', '?')} has no "
+            "doctor()/format_doctor(); upgrade moet-store"
+        )
+    lines = str(fmt(doctor(path))).rstrip("\n").splitlines() or ["(empty report)"]
+    if len(lines) == 1:
+        return f"store: {lines[0]}"
+    return "\n".join(["store:", *("  " + line for line in lines)])
+
+
+def _user_error(exc: BaseException) -> str | None:
+    """The one-line message of a moet user-facing error, else None (a bug: keep the traceback)."""
+    message = getattr(exc, "message", None)
+    if isinstance(message, str) and type(exc).__module__.split(".")[0].startswith("moet_"):
+        return message
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("moet: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        message = _user_error(exc)
+        if message is None:
+            raise
+        print(f"moet: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

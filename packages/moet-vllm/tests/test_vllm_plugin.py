@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from moet_vllm import compat, plugin
+
+
+@pytest.fixture(autouse=True)
+def fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plugin, "_registered", False)
+
+
+def records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == plugin.logger.name]
+
+
+def test_register_without_vllm_is_idempotent(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(compat, "installed_vllm", lambda: None)
+    caplog.set_level(logging.INFO, logger=plugin.logger.name)
+    plugin.register()
+    plugin.register()
+    logged = records(caplog)
+    assert len(logged) == 1
+    assert "vLLM is not installed" in logged[0].getMessage()
+    assert plugin.is_registered()
+
+
+def test_register_supported_vllm(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", "0.32.1"))
+    caplog.set_level(logging.INFO, logger=plugin.logger.name)
+    plugin.register()
+    plugin.register()
+    logged = records(caplog)
+    assert len(logged) == 1 and "vllm 0.32.1" in logged[0].getMessage()
+
+
+def test_register_refuses_unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", "0.23.9"))
+    for _ in range(2):  # refused every time, never half-registered
+        with pytest.raises(compat.MoetVllmError, match="0.23.9"):
+            plugin.register()
+    assert not plugin.is_registered()
+
+
+def test_register_real_environment() -> None:
+    # This venv has no vLLM (or a supported one): registering must not raise.
+    found = compat.installed_vllm()
+    if found is not None and not compat.is_supported(found[1]):
+        pytest.skip(f"unsupported vLLM {found} installed")
+    plugin.register()
