@@ -41,9 +41,19 @@ def tests(session: nox.Session, pkg: str) -> None:
     """Run one package's test suite (pytest; for store also the C++ unit suite) in the shared venv."""
     if pkg == "store":
         build = ROOT / "build" / "store-cxx-tests"
-        session.run("cmake", "-S", str(_pkg_dir(pkg)), "-B", str(build), "-G", "Ninja",
-                    "-DMOET_STORE_BUILD_TESTS=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
-                    "-DPython_EXECUTABLE=" + sys.executable, external=True)
+        session.run(
+            "cmake",
+            "-S",
+            str(_pkg_dir(pkg)),
+            "-B",
+            str(build),
+            "-G",
+            "Ninja",
+            "-DMOET_STORE_BUILD_TESTS=ON",
+            "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+            "-DPython_EXECUTABLE=" + sys.executable,
+            external=True,
+        )
         session.run("cmake", "--build", str(build), external=True)
         session.run("ctest", "--test-dir", str(build), "--output-on-failure", external=True)
     session.run("python", "-m", "pytest", "-q", str(_pkg_dir(pkg) / "tests"), *session.posargs)
@@ -54,9 +64,12 @@ def lint(session: nox.Session) -> None:
     """ruff on all Python; clang-format (dry run) on all C++ sources."""
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    cxx = [p for p in glob.glob("packages/*/src/**/*.[ch]pp", recursive=True)
-           + glob.glob("packages/*/tests/**/*.[ch]pp", recursive=True)
-           + glob.glob("packages/*/src/**/*.cu", recursive=True)]
+    cxx = [
+        p
+        for p in glob.glob("packages/*/src/**/*.[ch]pp", recursive=True)
+        + glob.glob("packages/*/tests/**/*.[ch]pp", recursive=True)
+        + glob.glob("packages/*/src/**/*.cu", recursive=True)
+    ]
     if cxx:
         session.run("clang-format", "--dry-run", "--Werror", *cxx, external=True)
 
@@ -82,8 +95,16 @@ def wheels(session: nox.Session) -> None:
     shutil.rmtree(raw, ignore_errors=True)
     for name in PACKAGES.values():
         out = raw if name in NATIVE else dist
-        session.run("python", "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
-                    str(ROOT / "packages" / name))
+        session.run(
+            "python",
+            "-m",
+            "build",
+            "--wheel",
+            "--no-isolation",
+            "--outdir",
+            str(out),
+            str(ROOT / "packages" / name),
+        )
     for whl in glob.glob(str(raw / "*.whl")):
         session.run("auditwheel", "repair", "--wheel-dir", str(dist), whl, external=True)
     bad = [w for w in glob.glob(str(dist / "*.whl")) if "linux_x86_64" in w]
@@ -103,9 +124,11 @@ def install(session: nox.Session) -> None:
         py = str(venv / "bin" / "python")
         # torch is pinned to the local CPU build so pip never reaches for a CUDA wheel.
         session.run(py, "-m", "pip", "install", "-q", "torch==2.13.0", *wheels_, external=True)
-        code = ("import moet_quant, moet_store, moet_kernels, moet_vllm; "
-                "print('imported', moet_quant.__version__, moet_store.__version__, "
-                "moet_kernels.__version__, moet_vllm.__version__)")
+        code = (
+            "import moet_quant, moet_store, moet_kernels, moet_vllm; "
+            "print('imported', moet_quant.__version__, moet_store.__version__, "
+            "moet_kernels.__version__, moet_vllm.__version__)"
+        )
         session.run(py, "-c", code, external=True, env={"PYTHONNOUSERSITE": "1"})
         session.run(str(venv / "bin" / "moet"), "--help", external=True, silent=True)
         session.run(str(venv / "bin" / "moet-quant"), "--help", external=True, silent=True)
@@ -123,11 +146,12 @@ def ci(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
-def bench(session: nox.Session) -> None:
-    """Benchmarks (not timed tests): `nox -s bench -- quant` re-quantization throughput vs a cold read."""
-    which = session.posargs or ["quant"]
-    for name in which:
-        session.run("python", f"bench/{name}.py", env={"PYTHONHASHSEED": "0"})
+@nox.parametrize("what", ["quant", "store"], ids=["quant", "store"])
+def bench(session: nox.Session, what: str) -> None:
+    """Benchmarks (not timed tests): ratios against a baseline of the same run, JSON under
+    bench/results/<what>/. quant: re-quantization MB/s per core vs a cold read; store: see
+    packages/moet-store/README.md."""
+    session.run("python", f"bench/{what}.py", *session.posargs)
 
 
 os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")

@@ -45,10 +45,13 @@ TOP_K = 2
 N_LAYERS = 2
 VOCAB = 256
 SEED = 0
-# FP8 blocks are 128x128: an intermediate of 192 gives gate/up [192, 128] -> 2 x 1 blocks (the
-# second one partial) and down [128, 192] -> 1 x 2 blocks, so block indexing and partial edge
-# blocks are exercised; with 64 every projection would be one partial block.
-FP8_MOE_INTER = 192
+# FP8 blocks are 128x128. With hidden 128 / intermediate 64 every projection would be one partial
+# block, so the FP8 model uses hidden 192 / intermediate 128: gate/up [128, 192] -> 1 x 2 blocks and
+# down [192, 128] -> 2 x 1 blocks, the second one partial. (The intermediate must stay a multiple
+# of 128: modelopt 0.47 splits the fused gate_up_proj's per-block amax at row I, which fails with
+# "Mismatch in expected scale shape" when a 128-row block straddles gate and up.)
+FP8_HIDDEN = 192
+FP8_MOE_INTER = 128
 
 FORMATS = {"nvfp4": "NVFP4_EXPERTS_ONLY_CFG", "fp8-pb-wo": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG"}
 
@@ -59,18 +62,29 @@ def _quiet():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def build_model(moe_inter: int = MOE_INTER, seed: int = SEED):
+def build_model(hidden: int = HIDDEN, moe_inter: int = MOE_INTER, seed: int = SEED):
     """A tiny seeded Qwen3-MoE in bfloat16 (every layer MoE, eager experts)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=moe_inter,
-        moe_intermediate_size=moe_inter, num_hidden_layers=N_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, num_experts=N_EXPERTS, num_experts_per_tok=TOP_K,
-        decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=256,
-        tie_word_embeddings=False, norm_topk_prob=True,
-        architectures=["Qwen3MoeForCausalLM"])  # modelopt's export reads it
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=moe_inter,
+        moe_intermediate_size=moe_inter,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=N_EXPERTS,
+        num_experts_per_tok=TOP_K,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+        architectures=["Qwen3MoeForCausalLM"],  # modelopt's export reads it
+    )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
     return model
@@ -83,11 +97,12 @@ def calib_batches(seed: int = SEED, n: int = 4, batch: int = 4, seq: int = 32):
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
 
 
-def quantize_and_export(fmt: str, export_dir: str | Path, seed: int = SEED) -> Path:
+def quantize_and_export(
+    fmt: str, export_dir: str | Path, seed: int = SEED, reference: bool = False
+) -> Path:
     """Build, calibrate, quantize (modelopt) and export (export_hf_checkpoint); -> export_dir.
 
-    Also writes `modelopt_reference.npz` there: modelopt's own dequantization of every exported
-    expert projection (see `modelopt_dequant`), keys `<tensor base>@f32` / `<tensor base>@f64`.
+    With `reference`, also writes `modelopt_reference.npz` there (see `write_reference`).
     """
     _quiet()
     import modelopt.torch.quantization as mtq
@@ -97,8 +112,8 @@ def quantize_and_export(fmt: str, export_dir: str | Path, seed: int = SEED) -> P
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {sorted(FORMATS)}")
     export_dir = Path(export_dir)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    model = build_model(FP8_MOE_INTER if fmt == "fp8-pb-wo" else MOE_INTER, seed)
+    dims = (FP8_HIDDEN, FP8_MOE_INTER) if fmt == "fp8-pb-wo" else (HIDDEN, MOE_INTER)
+    model = build_model(*dims, seed=seed)
     batches = calib_batches(seed)
 
     def forward_loop(m):
@@ -109,7 +124,8 @@ def quantize_and_export(fmt: str, export_dir: str | Path, seed: int = SEED) -> P
     mtq.quantize(model, getattr(mtq, FORMATS[fmt]), forward_loop)
     with torch.no_grad():
         export_hf_checkpoint(model, export_dir=export_dir)
-    write_reference(export_dir)
+    if reference:
+        write_reference(export_dir)
     return export_dir
 
 
@@ -124,16 +140,21 @@ def modelopt_dequant(fmt: str, tensors: dict, dtype) -> np.ndarray:
     if fmt == "nvfp4":
         shape = torch.Size((w.shape[0], w.shape[1] * 2))
         q = NVFP4QTensor(shape, dtype, w)
-        s2 = tensors["weight_scale_2"].to(dtype)  # fp32 -> float64 is exact
-        out = q.dequantize(dtype, scale=tensors["weight_scale"], double_scale=s2,
-                           block_sizes={-1: 16})
+        s1, s2 = tensors["weight_scale"], tensors["weight_scale_2"]
+        if dtype != torch.float32:
+            # dequantize multiplies weight_scale.to(float32) by weight_scale_2, a 0-dim tensor
+            # that does not promote a dimensioned float32 tensor: upcast both (exactly, from e4m3
+            # and fp32) so the scale product is evaluated in `dtype` too.
+            s1, s2 = s1.to(dtype), s2.to(dtype)
+        out = q.dequantize(dtype, scale=s1, double_scale=s2, block_sizes={-1: 16})
     elif fmt == "fp8-pb-wo":
         s = tensors["weight_scale"]
         q = FP8QTensor(w.shape, dtype, w)
         # The exporter keeps the scale as [N/128, 1, K/128, 1] (`to_quantized_weight` squeezes it
         # before FP8QTensor.quantize): dequantize takes the same squeezed [N/128, K/128].
-        out = q.dequantize(dtype, scale=s.reshape(s.shape[0], s.shape[2]).to(dtype),
-                           block_sizes={-1: 128, -2: 128})
+        out = q.dequantize(
+            dtype, scale=s.reshape(s.shape[0], s.shape[2]).to(dtype), block_sizes={-1: 128, -2: 128}
+        )
     else:
         raise ValueError(fmt)
     assert out.dtype == dtype, (out.dtype, dtype)
@@ -161,6 +182,8 @@ def detect_format(export_dir: Path) -> str:
 
 
 def write_reference(export_dir: Path) -> Path:
+    """`modelopt_reference.npz`: modelopt's own dequantization of every exported expert
+    projection (`modelopt_dequant`), keys `<tensor base>@f32` and `<tensor base>@f64`."""
     import torch
 
     fmt = detect_format(export_dir)
@@ -177,7 +200,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[1] if len(argv) > 1 else "modelopt_exports")
     for fmt in FORMATS:
         t0 = time.perf_counter()
-        d = quantize_and_export(fmt, out / fmt)
+        d = quantize_and_export(fmt, out / fmt, reference=True)
         print(f"{fmt}: {d} in {time.perf_counter() - t0:.1f} s")
     return 0
 

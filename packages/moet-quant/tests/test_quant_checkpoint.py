@@ -11,10 +11,18 @@ from moet_quant.arch import supported_architectures
 from moet_quant.errors import CheckpointError
 from moet_quant.safetensors_io import OutTensor, write_safetensors
 
-CASES = [("qwen3-moe", "bf16", False), ("qwen3-moe", "bf16", True), ("mixtral", "fp16", False),
-         ("glm", "fp8-block", False), ("deepseek", "fp8-pb-wo", False), ("qwen3-moe", "nvfp4", False),
-         ("gpt-oss", "mxfp4", False), ("gpt-oss", "bf16", False), ("deepseek", "int4-pack", False),
-         ("mixtral", "fp32", False)]
+CASES = [
+    ("qwen3-moe", "bf16", False),
+    ("qwen3-moe", "bf16", True),
+    ("mixtral", "fp16", False),
+    ("glm", "fp8-block", False),
+    ("deepseek", "fp8-pb-wo", False),
+    ("qwen3-moe", "nvfp4", False),
+    ("gpt-oss", "mxfp4", False),
+    ("gpt-oss", "bf16", False),
+    ("deepseek", "int4-pack", False),
+    ("mixtral", "fp32", False),
+]
 
 
 @pytest.mark.parametrize("family, fmt, fused", CASES)
@@ -38,18 +46,29 @@ def test_gpt_oss_and_fused_layouts_split_to_the_original_matrices(tmp_path):
     """gate/up interleaving and K-major storage undone: each projection is the matrix written."""
     e_, h, i = 2, 64, 32
     rng = np.random.default_rng(0)
-    gate, up, down = (rng.standard_normal((e_, i, h)), rng.standard_normal((e_, i, h)),
-                      rng.standard_normal((e_, h, i)))
+    gate, up, down = (
+        rng.standard_normal((e_, i, h)),
+        rng.standard_normal((e_, i, h)),
+        rng.standard_normal((e_, h, i)),
+    )
     gu = np.empty((e_, 2 * i, h))
     gu[:, 0::2], gu[:, 1::2] = gate, up
     d = tmp_path / "oss"
     d.mkdir()
-    ts = {"model.layers.0.mlp.experts.gate_up_proj": gu.transpose(0, 2, 1),
-          "model.layers.0.mlp.experts.down_proj": down.transpose(0, 2, 1)}
-    write_safetensors(d / "model.safetensors", [OutTensor(n, "F32", a.shape) for n, a in ts.items()],
-                      (a.astype(np.float32) for a in ts.values()))
-    (d / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"],
-                                               "num_local_experts": 2, "num_hidden_layers": 1}))
+    ts = {
+        "model.layers.0.mlp.experts.gate_up_proj": gu.transpose(0, 2, 1),
+        "model.layers.0.mlp.experts.down_proj": down.transpose(0, 2, 1),
+    }
+    write_safetensors(
+        d / "model.safetensors",
+        [OutTensor(n, "F32", a.shape) for n, a in ts.items()],
+        (a.astype(np.float32) for a in ts.values()),
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {"architectures": ["GptOssForCausalLM"], "num_local_experts": 2, "num_hidden_layers": 1}
+        )
+    )
     ck = checkpoint.open_checkpoint(d)
     by = {(s.key.expert, s.key.proj): s for s in ck.sources}
     for e in range(e_):
@@ -93,13 +112,19 @@ def test_unsupported_expert_format_is_named(tmp_path):
     d.mkdir()
     p = "model.layers.0.mlp.experts.0.gate_proj"
     ts = {f"{p}.qweight": np.zeros((4, 8), np.int32), f"{p}.scales": np.zeros((1, 8), np.float32)}
-    write_safetensors(d / "model.safetensors",
-                      [OutTensor(n, "I32" if a.dtype == np.int32 else "F32", a.shape) for n, a in ts.items()],
-                      iter(ts.values()))
-    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"],
-                                               "num_experts": 1}))
-    with pytest.raises(CheckpointError, match=r"experts.0.gate_proj has an unsupported format "
-                       r"\(qweight I32\[4, 8\].*supported expert formats"):
+    write_safetensors(
+        d / "model.safetensors",
+        [OutTensor(n, "I32" if a.dtype == np.int32 else "F32", a.shape) for n, a in ts.items()],
+        iter(ts.values()),
+    )
+    (d / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 1})
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"experts.0.gate_proj has an unsupported format "
+        r"\(qweight I32\[4, 8\].*supported expert formats",
+    ):
         checkpoint.open_checkpoint(d)
 
 
@@ -118,7 +143,9 @@ def test_shape_mismatch_between_experts(make_ckpt):
         metas.append(OutTensor(n, src.tensors[n].dtype, a.shape))
         arrays.append(a)
     write_safetensors(f, metas, iter(arrays))
-    with pytest.raises(CheckpointError, match=r"up projection of expert 1 is \[32, 32\], expected \[32, 64\]"):
+    with pytest.raises(
+        CheckpointError, match=r"up projection of expert 1 is \[32, 32\], expected \[32, 64\]"
+    ):
         checkpoint.open_checkpoint(d)
 
 
@@ -143,7 +170,10 @@ def test_nan_weight_in_checkpoint_named_at_quantization(make_ckpt):
     ck.close()
     raw[info.offset + 2 * 70 : info.offset + 2 * 71] = numerics.np.uint16(0x7FC0).tobytes()
     f.write_bytes(bytes(raw))
-    src = next(s for s in checkpoint.open_checkpoint(d).sources if s.name.endswith("2.up_proj")
-               and s.key.layer == 1)
+    src = next(
+        s
+        for s in checkpoint.open_checkpoint(d).sources
+        if s.name.endswith("2.up_proj") and s.key.layer == 1
+    )
     with pytest.raises(FormatError, match=r"experts.2.up_proj.*NaN/Inf.*\[1, 6\]"):
         w2.quantize(src.load())

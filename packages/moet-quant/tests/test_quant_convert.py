@@ -5,7 +5,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -22,11 +21,16 @@ def _all(d):
     return out
 
 
-@pytest.mark.parametrize("family, fmt, tier", [("qwen3-moe", "bf16", "none"),
-                                               ("glm", "fp8-block", "fp4r"),
-                                               ("qwen3-moe", "nvfp4", "fp4x"),
-                                               ("gpt-oss", "mxfp4", "fp4x"),
-                                               ("mixtral", "int4-pack", "none")])
+@pytest.mark.parametrize(
+    "family, fmt, tier",
+    [
+        ("qwen3-moe", "bf16", "none"),
+        ("glm", "fp8-block", "fp4r"),
+        ("qwen3-moe", "nvfp4", "fp4x"),
+        ("gpt-oss", "mxfp4", "fp4x"),
+        ("mixtral", "int4-pack", "none"),
+    ],
+)
 def test_convert_layout_and_values(make_ckpt, tmp_path, family, fmt, tier):
     src = make_ckpt(family, fmt, n_layers=2, zero_fraction=0.02)
     out = tmp_path / "out"
@@ -35,15 +39,22 @@ def test_convert_layout_and_values(make_ckpt, tmp_path, family, fmt, tier):
     cfg = json.loads((out / "config.json").read_text())
     qc = cfg["quantization_config"]
     assert qc["quant_method"] == "moet" and qc["format"] == "w2-ue8m0b32-v1"
-    assert (qc["zero_mode"], qc["mode"], qc["block_size"], qc["fp4_tier"]) == ("auto", "reference", 32, tier)
+    assert (qc["zero_mode"], qc["mode"], qc["block_size"], qc["fp4_tier"]) == (
+        "auto",
+        "reference",
+        32,
+        tier,
+    )
     assert any("embed_tokens" in m for m in qc["modules_not_converted"])
     got = _all(out)  # the reference library reads every shard
     ck = checkpoint.open_checkpoint(src)
     consumed = {t for s in ck.sources for t in s.tensors}
     for name in ck.st.names():
         if name not in consumed:  # dense tensors: byte for byte
-            assert got[name].contiguous().view(torch.uint8).numpy().tobytes() == \
-                ck.st.array(name).tobytes()
+            assert (
+                got[name].contiguous().view(torch.uint8).numpy().tobytes()
+                == ck.st.array(name).tobytes()
+            )
     assert not any(n in got for n in consumed)
     for s in ck.sources:
         n, k = s.shape
@@ -154,8 +165,14 @@ def test_preflight_refuses_when_space_is_short(make_ckpt, tmp_path, monkeypatch)
 
 def test_cli_convert_inspect_and_clean_errors(make_ckpt, tmp_path):
     src = make_ckpt("glm", "fp8-block")
-    run = lambda *a: subprocess.run([sys.executable, "-m", "moet_quant.cli", *map(str, a)],  # noqa: E731
-                                    capture_output=True, text=True)
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "moet_quant.cli", *map(str, a)],  # noqa: E731
+            capture_output=True,
+            text=True,
+        )
+
     r = run("inspect", src)
     assert r.returncode == 0 and "fp8-block" in r.stdout and "ckpt_id" in r.stdout
     r = run("inspect", src, "--json")
@@ -164,7 +181,10 @@ def test_cli_convert_inspect_and_clean_errors(make_ckpt, tmp_path):
     assert r.returncode == 0 and "dry run" in r.stdout and not (tmp_path / "o").exists()
     r = run("convert", src, tmp_path / "o", "--no-progress")
     assert r.returncode == 0 and (tmp_path / "o" / "config.json").exists()
-    for args in (("inspect", tmp_path / "missing"), ("convert", src, tmp_path / "o", "--zero-mode", "sign")):
+    for args in (
+        ("inspect", tmp_path / "missing"),
+        ("convert", src, tmp_path / "o", "--zero-mode", "sign"),
+    ):
         r = run(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("moet-quant: error: ")

@@ -27,12 +27,15 @@ def test_fp8_pb_wo_4d_scale_equals_2d_layout():
     a = formats.from_fp8_block(q, s).dequant()
     b = formats.from_fp8_block(q, s.reshape(2, 1, 2, 1)).dequant()
     assert (a == b).all()
-    with pytest.raises(FormatError, match=r"weight_scale has shape \[2, 2, 1, 1\].*expected \[2, 1, 2, 1\]"):
+    with pytest.raises(
+        FormatError, match=r"weight_scale has shape \[2, 2, 1, 1\].*expected \[2, 1, 2, 1\]"
+    ):
         formats.from_fp8_block(q, s.reshape(2, 2, 1, 1), name="x")
 
 
-@pytest.mark.parametrize("bad, match", [(np.nan, "non-finite"), (np.inf, "non-finite"),
-                                        (-1.0, "negative")])
+@pytest.mark.parametrize(
+    "bad, match", [(np.nan, "non-finite"), (np.inf, "non-finite"), (-1.0, "negative")]
+)
 def test_bad_fp8_scales(bad, match):
     s = np.ones((1, 1), np.float32)
     s[0, 0] = bad

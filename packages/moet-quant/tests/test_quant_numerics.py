@@ -34,7 +34,12 @@ def test_bf16_encode_rounds_like_torch():
 def test_e2m1_and_ue8m0_hand_values():
     assert list(numerics.E2M1_VALUES[:8]) == [0, 0.5, 1, 1.5, 2, 3, 4, 6]
     assert list(numerics.E2M1_VALUES[8:]) == [-0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
-    assert numerics.ue8m0_to_f64(np.array([127, 128, 0, 254])).tolist() == [1, 2, 2.0**-127, 2.0**127]
+    assert numerics.ue8m0_to_f64(np.array([127, 128, 0, 254])).tolist() == [
+        1,
+        2,
+        2.0**-127,
+        2.0**127,
+    ]
     assert np.isnan(numerics.ue8m0_to_f64(np.array([255])))[0]
 
 

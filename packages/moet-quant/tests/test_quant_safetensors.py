@@ -18,8 +18,12 @@ from moet_quant.safetensors_io import (
 
 
 def test_reads_what_the_reference_library_writes(tmp_path):
-    ts = {"a": torch.randn(3, 5, dtype=torch.bfloat16), "b": torch.arange(7, dtype=torch.int32),
-          "c": torch.randn(2, 2).to(torch.float8_e4m3fn), "d": torch.randn(4, 1, dtype=torch.float16)}
+    ts = {
+        "a": torch.randn(3, 5, dtype=torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int32),
+        "c": torch.randn(2, 2).to(torch.float8_e4m3fn),
+        "d": torch.randn(4, 1, dtype=torch.float16),
+    }
     save_file(ts, tmp_path / "m.safetensors")
     f = SafetensorsFile(tmp_path / "m.safetensors")
     for name, t in ts.items():
@@ -30,8 +34,10 @@ def test_reads_what_the_reference_library_writes(tmp_path):
 
 def test_reference_library_reads_what_we_write(tmp_path):
     arrays = {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "y": np.arange(5, dtype=np.uint8)}
-    metas = [OutTensor(n, {"float32": "F32", "uint8": "U8"}[str(a.dtype)], a.shape)
-             for n, a in arrays.items()]
+    metas = [
+        OutTensor(n, {"float32": "F32", "uint8": "U8"}[str(a.dtype)], a.shape)
+        for n, a in arrays.items()
+    ]
     write_safetensors(tmp_path / "w.safetensors", metas, iter(arrays.values()), {"format": "pt"})
     back = load_file(tmp_path / "w.safetensors")
     for n, a in arrays.items():
@@ -64,11 +70,14 @@ def test_truncated_file_names_file_and_tensor(tmp_path):
         SafetensorsFile(p)
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda b: b[:5], "truncated"),
-    (lambda b: struct.pack("<Q", 10**12) + b[8:], "header length"),
-    (lambda b: b[:8] + b"{not json" + b[17:], "corrupt header JSON"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda b: b[:5], "truncated"),
+        (lambda b: struct.pack("<Q", 10**12) + b[8:], "header length"),
+        (lambda b: b[:8] + b"{not json" + b[17:], "corrupt header JSON"),
+    ],
+)
 def test_corrupt_headers(tmp_path, mutate, match):
     p = _write(tmp_path)
     p.write_bytes(mutate(p.read_bytes()))
@@ -84,8 +93,12 @@ def test_wrong_byte_count_and_overlap(tmp_path):
     write_header({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}})
     with pytest.raises(CheckpointError, match="needs 16 bytes"):
         SafetensorsFile(tmp_path / "h.safetensors")
-    write_header({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-                  "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}})
+    write_header(
+        {
+            "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+        }
+    )
     with pytest.raises(CheckpointError, match="overlap"):
         SafetensorsFile(tmp_path / "h.safetensors")
     write_header({"a": {"dtype": "Q4", "shape": [4], "data_offsets": [0, 2]}})

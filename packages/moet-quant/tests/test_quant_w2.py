@@ -85,7 +85,9 @@ def _adversarial(rng, n, k):
     e = w2.block_exponent(np.abs(blocks).max(-1)).astype(float)
     tie = np.exp2(e) * 2.5
     sel = rng.random((n, k // 32, 32)) < 0.1
-    blocks[sel] = (np.sign(rng.standard_normal(sel.sum())) * np.broadcast_to(tie[..., None], sel.shape)[sel])
+    blocks[sel] = (
+        np.sign(rng.standard_normal(sel.sum())) * np.broadcast_to(tie[..., None], sel.shape)[sel]
+    )
     w = blocks.reshape(n, k)
     w[rng.random((n, k)) < 0.05] = 0.0
     w[rng.random((n, k)) < 0.01] = -0.0
@@ -96,12 +98,14 @@ SOURCES = {
     "bf16": lambda w: formats.from_bf16(numerics.f64_to_bf16_bits(w)),
     "fp16": lambda w: formats.from_f16(np.clip(w, -6e4, 6e4).astype(np.float16)),
     "fp8-block": lambda w: formats.from_fp8_block(*synth.fp8_block(w)),
-    "fp8-tensor": lambda w: formats.from_fp8_tensor(synth.encode_e4m3(w / np.abs(w).max() * 400),
-                                                    np.float32(0.5)),
+    "fp8-tensor": lambda w: formats.from_fp8_tensor(
+        synth.encode_e4m3(w / np.abs(w).max() * 400), np.float32(0.5)
+    ),
     "nvfp4": lambda w: formats.from_nvfp4(*synth.nvfp4(w)),
     "mxfp4": lambda w: formats.from_mxfp4(*synth.mxfp4(w)),
-    "int4": lambda w: formats.from_int4_packed(synth.int4_pack(w)[0],
-                                               numerics.bf16_bits_to_f64(synth.int4_pack(w)[1])),
+    "int4": lambda w: formats.from_int4_packed(
+        synth.int4_pack(w)[0], numerics.bf16_bits_to_f64(synth.int4_pack(w)[1])
+    ),
 }
 
 

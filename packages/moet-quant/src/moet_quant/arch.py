@@ -21,8 +21,14 @@ from dataclasses import dataclass
 from .errors import CheckpointError
 
 PROJECTIONS = ("gate", "up", "down")
-_PROJ_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
-               "w1": "gate", "w3": "up", "w2": "down"}
+_PROJ_NAMES = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
 
 
 @dataclass(frozen=True)
@@ -35,20 +41,46 @@ class Family:
 
 
 FAMILIES = (
-    Family("glm", ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM",
-                   "Glm4MoeMTPModel"), ("n_routed_experts",), ("moe_intermediate_size",), "concat"),
-    Family("deepseek", ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV4ForCausalLM",
-                        "DeepseekV2ForCausalLM"), ("n_routed_experts",), ("moe_intermediate_size",),
-           "concat"),
-    Family("kimi", ("KimiK2ForCausalLM",), ("n_routed_experts",), ("moe_intermediate_size",),
-           "concat"),
+    Family(
+        "glm",
+        ("Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "GlmMoeDsaForCausalLM", "Glm4MoeMTPModel"),
+        ("n_routed_experts",),
+        ("moe_intermediate_size",),
+        "concat",
+    ),
+    Family(
+        "deepseek",
+        (
+            "DeepseekV3ForCausalLM",
+            "DeepseekV32ForCausalLM",
+            "DeepseekV4ForCausalLM",
+            "DeepseekV2ForCausalLM",
+        ),
+        ("n_routed_experts",),
+        ("moe_intermediate_size",),
+        "concat",
+    ),
+    Family(
+        "kimi", ("KimiK2ForCausalLM",), ("n_routed_experts",), ("moe_intermediate_size",), "concat"
+    ),
     # transformers >= 5 saves Qwen3-MoE's `num_experts` as `num_local_experts` (attribute_map)
-    Family("qwen3-moe", ("Qwen3MoeForCausalLM",), ("num_experts", "num_local_experts"),
-           ("moe_intermediate_size",), "concat"),
-    Family("mixtral", ("MixtralForCausalLM",), ("num_local_experts",), ("intermediate_size",),
-           "concat"),
-    Family("gpt-oss", ("GptOssForCausalLM",), ("num_local_experts", "num_experts"),
-           ("intermediate_size",), "gptoss"),
+    Family(
+        "qwen3-moe",
+        ("Qwen3MoeForCausalLM",),
+        ("num_experts", "num_local_experts"),
+        ("moe_intermediate_size",),
+        "concat",
+    ),
+    Family(
+        "mixtral", ("MixtralForCausalLM",), ("num_local_experts",), ("intermediate_size",), "concat"
+    ),
+    Family(
+        "gpt-oss",
+        ("GptOssForCausalLM",),
+        ("num_local_experts", "num_experts"),
+        ("intermediate_size",),
+        "gptoss",
+    ),
 )
 
 
@@ -61,25 +93,30 @@ def family_for(config: dict, where: str) -> Family:
     for f in FAMILIES:
         if any(a in f.architectures for a in archs):
             return f
-    raise CheckpointError(f"{where}: architecture {archs or config.get('model_type')!r} is not a "
-                          f"supported MoE; supported: {', '.join(supported_architectures())}")
+    raise CheckpointError(
+        f"{where}: architecture {archs or config.get('model_type')!r} is not a "
+        f"supported MoE; supported: {', '.join(supported_architectures())}"
+    )
 
 
 def config_int(config: dict, keys: tuple[str, ...], where: str) -> int:
     for k in keys:
         if isinstance(config.get(k), int):
             return int(config[k])
-    raise CheckpointError(f"{where}: config.json lacks {' or '.join(keys)}; it is required to "
-                          "read the experts")
+    raise CheckpointError(
+        f"{where}: config.json lacks {' or '.join(keys)}; it is required to read the experts"
+    )
 
 
 # `<moe prefix>.experts.<e>.<proj>.<suffix>` and `<moe prefix>.experts.<fused>[_blocks|_scales]`
 PER_EXPERT = re.compile(
     r"^(?P<moe>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|ffn))\.experts\."
-    r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>\w+)$")
+    r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<suffix>\w+)$"
+)
 FUSED = re.compile(
     r"^(?P<moe>(?:.*\.)?layers\.(?P<layer>\d+)\.(?:mlp|block_sparse_moe|ffn))\.experts\."
-    r"(?P<proj>gate_up_proj|down_proj)(?P<suffix>_blocks|_scales|_bias|_weight_scale\w*|)$")
+    r"(?P<proj>gate_up_proj|down_proj)(?P<suffix>_blocks|_scales|_bias|_weight_scale\w*|)$"
+)
 
 
 @dataclass(frozen=True)
@@ -98,6 +135,14 @@ def classify(name: str) -> tuple[ExpertKey | None, str | None, dict]:
         return key, m["suffix"], {"base": name[: -len(m["suffix"]) - 1], "moe": m["moe"]}
     m = FUSED.match(name)
     if m:
-        return None, m["suffix"], {"fused": m["proj"], "layer": int(m["layer"]), "moe": m["moe"],
-                                   "base": f"{m['moe']}.experts.{m['proj']}"}
+        return (
+            None,
+            m["suffix"],
+            {
+                "fused": m["proj"],
+                "layer": int(m["layer"]),
+                "moe": m["moe"],
+                "base": f"{m['moe']}.experts.{m['proj']}",
+            },
+        )
     return None, None, {}

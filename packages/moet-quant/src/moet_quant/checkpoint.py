@@ -24,11 +24,22 @@ from .errors import CheckpointError, FormatError
 from .safetensors_io import ShardedSafetensors
 
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
-SOURCE_FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-pb-wo", "fp8-tensor", "nvfp4", "mxfp4",
-                  "int4-pack")
-SUPPORTED_TEXT = ("bf16/fp16/fp32; FP8 e4m3 block (weight_scale_inv, or modelopt fp8_pb_wo "
-                  "weight_scale), FP8 per-tensor; modelopt NVFP4; MXFP4 (gpt-oss); "
-                  "compressed-tensors int4 pack-quantized")
+SOURCE_FORMATS = (
+    "bf16",
+    "fp16",
+    "fp32",
+    "fp8-block",
+    "fp8-pb-wo",
+    "fp8-tensor",
+    "nvfp4",
+    "mxfp4",
+    "int4-pack",
+)
+SUPPORTED_TEXT = (
+    "bf16/fp16/fp32; FP8 e4m3 block (weight_scale_inv, or modelopt fp8_pb_wo "
+    "weight_scale), FP8 per-tensor; modelopt NVFP4; MXFP4 (gpt-oss); "
+    "compressed-tensors int4 pack-quantized"
+)
 
 
 @dataclass
@@ -60,8 +71,10 @@ class ProjectionSource:
     def fp4x(self) -> dict:
         """The checkpoint's own FP4 data for the fp4x tier: {"codes", "scales"[, "scale_2"]}."""
         if self._fp4x is None:
-            raise FormatError(f"{self.name}: fp4x needs an NVFP4 or MXFP4 source, this one is "
-                              f"{self.fmt}; use fp4_tier fp4r")
+            raise FormatError(
+                f"{self.name}: fp4x needs an NVFP4 or MXFP4 source, this one is "
+                f"{self.fmt}; use fp4_tier fp4r"
+            )
         return self._fp4x()
 
 
@@ -113,8 +126,13 @@ def checkpoint_identity(path: str | os.PathLike, revision: str | None = None) ->
     if not shards:
         return None
     index = p / ShardedSafetensors.INDEX
-    return {"path": str(p), "revision": revision, "config_sha256": cfg,
-            "index_sha256": _digest(index) if index.exists() else None, "shards": shards}
+    return {
+        "path": str(p),
+        "revision": revision,
+        "config_sha256": cfg,
+        "index_sha256": _digest(index) if index.exists() else None,
+        "shards": shards,
+    }
 
 
 def ckpt_id(identity: dict | None) -> str | None:
@@ -132,8 +150,9 @@ def read_config(path: Path) -> dict:
     try:
         cfg = json.loads(cfg_path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{cfg_path}: not found; pass a Hugging Face checkpoint directory") \
-            from None
+        raise CheckpointError(
+            f"{cfg_path}: not found; pass a Hugging Face checkpoint directory"
+        ) from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: corrupt JSON ({e}); re-download it") from None
     if not isinstance(cfg, dict):
@@ -158,8 +177,10 @@ class Checkpoint:
         qc = self.config.get("quantization_config")
         self.source_qconfig = qc if isinstance(qc, dict) else None
         if self.source_qconfig and self.source_qconfig.get("quant_method") == "moet":
-            raise CheckpointError(f"{self.path}: already a moet checkpoint (quantization_config "
-                                  "quant_method 'moet'); serve it directly, nothing to convert")
+            raise CheckpointError(
+                f"{self.path}: already a moet checkpoint (quantization_config "
+                "quant_method 'moet'); serve it directly, nothing to convert"
+            )
         self.sources: list[ProjectionSource] = []
         self._scan()
         self.info = self._info()
@@ -177,30 +198,40 @@ class Checkpoint:
                 per_expert[m["base"]][suffix] = name
                 keys[m["base"]], moes[m["base"]] = key, m["moe"]
             elif suffix is not None:
-                g = fused.setdefault(m["base"], {"layer": m["layer"], "proj": m["fused"],
-                                                 "moe": m["moe"], "parts": {}})
+                g = fused.setdefault(
+                    m["base"],
+                    {"layer": m["layer"], "proj": m["fused"], "moe": m["moe"], "parts": {}},
+                )
                 g["parts"][suffix] = name
         for base, parts in per_expert.items():
             self.sources.append(self._per_expert_source(keys[base], moes[base], base, parts))
         for base, g in fused.items():
             self.sources.extend(self._fused_sources(base, g))
         if not self.sources:
-            raise CheckpointError(f"{self.path}: no routed expert tensors found (looked for "
-                                  "'...layers.<L>.mlp.experts.<e>.<gate|up|down>_proj...' and fused "
-                                  "'...experts.gate_up_proj'); is this a MoE checkpoint?")
-        self.sources.sort(key=lambda s: (s.key.layer, s.key.expert, ("gate", "up", "down").index(
-            s.key.proj)))
+            raise CheckpointError(
+                f"{self.path}: no routed expert tensors found (looked for "
+                "'...layers.<L>.mlp.experts.<e>.<gate|up|down>_proj...' and fused "
+                "'...experts.gate_up_proj'); is this a MoE checkpoint?"
+            )
+        self.sources.sort(
+            key=lambda s: (s.key.layer, s.key.expert, ("gate", "up", "down").index(s.key.proj))
+        )
 
-    def _per_expert_source(self, key: ExpertKey, moe: str, base: str,
-                           parts: dict[str, str]) -> ProjectionSource:
+    def _per_expert_source(
+        self, key: ExpertKey, moe: str, base: str, parts: dict[str, str]
+    ) -> ProjectionSource:
         st = self.st
         names = tuple(parts.values())
         nbytes = sum(st.info(n).nbytes for n in names)
-        found = ", ".join(f"{s} {st.info(n).dtype}{list(st.info(n).shape)}" for s, n in parts.items())
+        found = ", ".join(
+            f"{s} {st.info(n).dtype}{list(st.info(n).shape)}" for s, n in parts.items()
+        )
 
         def unsupported() -> CheckpointError:
-            return CheckpointError(f"{self.path}: expert tensor {base} has an unsupported format "
-                                   f"({found}); supported expert formats: {SUPPORTED_TEXT}")
+            return CheckpointError(
+                f"{self.path}: expert tensor {base} has an unsupported format "
+                f"({found}); supported expert formats: {SUPPORTED_TEXT}"
+            )
 
         if "weight_packed" in parts:
             wp = st.info(parts["weight_packed"])
@@ -215,52 +246,100 @@ class Checkpoint:
             def load_int4():
                 sc = st.info(parts["weight_scale"])
                 return formats.from_int4_packed(
-                    st.array(parts["weight_packed"]), formats.scale_to_f64(st.array(sc.name), sc.dtype),
-                    (n, k), group, base)
+                    st.array(parts["weight_packed"]),
+                    formats.scale_to_f64(st.array(sc.name), sc.dtype),
+                    (n, k),
+                    group,
+                    base,
+                )
 
             return ProjectionSource(key, moe, "int4-pack", (n, k), names, nbytes, load_int4)
         if "weight" not in parts:
             raise unsupported()
         w = st.info(parts["weight"])
         if len(w.shape) != 2:
-            raise CheckpointError(f"{self.path}: expert tensor {w.name} has shape {list(w.shape)}, "
-                                  "expected a 2-D [N, K] weight")
+            raise CheckpointError(
+                f"{self.path}: expert tensor {w.name} has shape {list(w.shape)}, "
+                "expected a 2-D [N, K] weight"
+            )
         n, k = w.shape
         extra = set(parts) - {"weight", "input_scale"}
         if w.dtype in FLOAT_DTYPES and not extra:
             fmt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[w.dtype]
-            loader = {"BF16": formats.from_bf16, "F16": formats.from_f16,
-                      "F32": formats.f32_to_f64}[w.dtype]
-            return ProjectionSource(key, moe, fmt, (n, k), names, nbytes,
-                                    lambda: loader(st.array(w.name), base))
+            loader = {
+                "BF16": formats.from_bf16,
+                "F16": formats.from_f16,
+                "F32": formats.f32_to_f64,
+            }[w.dtype]
+            return ProjectionSource(
+                key, moe, fmt, (n, k), names, nbytes, lambda: loader(st.array(w.name), base)
+            )
         if w.dtype == "F8_E4M3" and extra == {"weight_scale_inv"}:
             block = tuple((self.source_qconfig or {}).get("weight_block_size") or (128, 128))
-            return ProjectionSource(key, moe, "fp8-block", (n, k), names, nbytes, lambda: formats.from_fp8_block(
-                st.array(w.name), st.array(parts["weight_scale_inv"]), block, base))
+            return ProjectionSource(
+                key,
+                moe,
+                "fp8-block",
+                (n, k),
+                names,
+                nbytes,
+                lambda: formats.from_fp8_block(
+                    st.array(w.name), st.array(parts["weight_scale_inv"]), block, base
+                ),
+            )
         if w.dtype == "F8_E4M3" and extra == {"weight_scale"}:
             s = st.info(parts["weight_scale"])
             if len(s.shape) == 4:
-                return ProjectionSource(key, moe, "fp8-pb-wo", (n, k), names, nbytes, lambda: formats.from_fp8_block(
-                    st.array(w.name), st.array(s.name), (128, 128), base))
+                return ProjectionSource(
+                    key,
+                    moe,
+                    "fp8-pb-wo",
+                    (n, k),
+                    names,
+                    nbytes,
+                    lambda: formats.from_fp8_block(
+                        st.array(w.name), st.array(s.name), (128, 128), base
+                    ),
+                )
             if int(np.prod(s.shape)) in (1, n):
-                return ProjectionSource(key, moe, "fp8-tensor", (n, k), names, nbytes, lambda: formats.from_fp8_tensor(
-                    st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base))
+                return ProjectionSource(
+                    key,
+                    moe,
+                    "fp8-tensor",
+                    (n, k),
+                    names,
+                    nbytes,
+                    lambda: formats.from_fp8_tensor(
+                        st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base
+                    ),
+                )
             raise unsupported()
-        if w.dtype == "U8" and extra == {"weight_scale", "weight_scale_2"} \
-                and st.info(parts["weight_scale"]).dtype == "F8_E4M3":
+        if (
+            w.dtype == "U8"
+            and extra == {"weight_scale", "weight_scale_2"}
+            and st.info(parts["weight_scale"]).dtype == "F8_E4M3"
+        ):
             k = 2 * k
 
             def load_nvfp4():
-                return formats.from_nvfp4(st.array(w.name), st.array(parts["weight_scale"]),
-                                          st.array(parts["weight_scale_2"]), base)
+                return formats.from_nvfp4(
+                    st.array(w.name),
+                    st.array(parts["weight_scale"]),
+                    st.array(parts["weight_scale_2"]),
+                    base,
+                )
 
             def fp4x_nvfp4():
                 load_nvfp4()  # validates
-                return {"codes": np.array(st.array(w.name)),
-                        "scales": np.array(st.array(parts["weight_scale"])),
-                        "scale_2": np.array(st.array(parts["weight_scale_2"]), dtype=np.float32)}
+                return {
+                    "codes": np.array(st.array(w.name)),
+                    "scales": np.array(st.array(parts["weight_scale"])),
+                    "scale_2": np.array(st.array(parts["weight_scale_2"]), dtype=np.float32),
+                }
 
-            return ProjectionSource(key, moe, "nvfp4", (n, k), names, nbytes, load_nvfp4, fp4x_nvfp4)
+            return ProjectionSource(
+                key, moe, "nvfp4", (n, k), names, nbytes, load_nvfp4, fp4x_nvfp4
+            )
         raise unsupported()
 
     def _int4_group(self, base: str) -> int:
@@ -268,9 +347,11 @@ class Checkpoint:
         for grp in (qc.get("config_groups") or {}).values():
             wq = (grp or {}).get("weights") or {}
             if wq.get("num_bits", 4) != 4 or wq.get("symmetric", True) is not True:
-                raise CheckpointError(f"{self.path}: {base}: compressed-tensors weights with "
-                                      f"num_bits={wq.get('num_bits')} symmetric={wq.get('symmetric')}; "
-                                      "only 4-bit symmetric pack-quantized is supported")
+                raise CheckpointError(
+                    f"{self.path}: {base}: compressed-tensors weights with "
+                    f"num_bits={wq.get('num_bits')} symmetric={wq.get('symmetric')}; "
+                    "only 4-bit symmetric pack-quantized is supported"
+                )
             return int(wq.get("group_size") or 32)
         return 32
 
@@ -283,8 +364,10 @@ class Checkpoint:
                 raise CheckpointError(f"{self.path}: {base}_blocks has no {base}_scales")
             bi = st.info(parts["_blocks"])
             if len(bi.shape) != 4 or bi.shape[-1] != 16:
-                raise CheckpointError(f"{self.path}: {bi.name} has shape {list(bi.shape)}, expected "
-                                      "[E, N, K/32, 16] (MXFP4 blocks)")
+                raise CheckpointError(
+                    f"{self.path}: {bi.name} has shape {list(bi.shape)}, expected "
+                    "[E, N, K/32, 16] (MXFP4 blocks)"
+                )
             n_e, n_rows, kb = bi.shape[0], bi.shape[1], bi.shape[2]
             names = (parts["_blocks"], parts["_scales"])
             share = (bi.nbytes + st.info(parts["_scales"]).nbytes) // n_e
@@ -294,7 +377,11 @@ class Checkpoint:
                 if proj == "down":
                     return blocks, scales
                 half = {"gate": 0, "up": 1}[proj]
-                sel = slice(half, None, 2) if gptoss else slice(half * n_rows // 2, (half + 1) * n_rows // 2)
+                sel = (
+                    slice(half, None, 2)
+                    if gptoss
+                    else slice(half * n_rows // 2, (half + 1) * n_rows // 2)
+                )
                 return blocks[sel], scales[sel]
 
             projs = ("down",) if g["proj"] == "down_proj" else ("gate", "up")
@@ -309,29 +396,48 @@ class Checkpoint:
                     def fp4x(e=e, proj=proj):
                         b, s = rows_of(e, proj)
                         nib, sc = formats.mxfp4_parts(b, s, f"{base}[{e}].{proj}")
-                        return {"codes": np.ascontiguousarray(b.reshape(b.shape[0], -1)), "scales": sc}
+                        return {
+                            "codes": np.ascontiguousarray(b.reshape(b.shape[0], -1)),
+                            "scales": sc,
+                        }
 
-                    out.append(ProjectionSource(ExpertKey(layer, e, proj), g["moe"], "mxfp4", (n, kb * 32), names,
-                                                share // len(projs), load, fp4x))
+                    out.append(
+                        ProjectionSource(
+                            ExpertKey(layer, e, proj),
+                            g["moe"],
+                            "mxfp4",
+                            (n, kb * 32),
+                            names,
+                            share // len(projs),
+                            load,
+                            fp4x,
+                        )
+                    )
             return out
         if "" not in parts:
             found = ", ".join(parts.values())
-            raise CheckpointError(f"{self.path}: fused expert tensors {found} have an unsupported "
-                                  f"format; supported expert formats: {SUPPORTED_TEXT}")
+            raise CheckpointError(
+                f"{self.path}: fused expert tensors {found} have an unsupported "
+                f"format; supported expert formats: {SUPPORTED_TEXT}"
+            )
         t = st.info(parts[""])
         if t.dtype not in FLOAT_DTYPES or len(t.shape) != 3:
-            raise CheckpointError(f"{self.path}: fused expert tensor {t.name} is {t.dtype}"
-                                  f"{list(t.shape)}; expected a 3-D bf16/fp16/fp32 tensor (quantized "
-                                  f"fused experts other than MXFP4 are not supported)")
+            raise CheckpointError(
+                f"{self.path}: fused expert tensor {t.name} is {t.dtype}"
+                f"{list(t.shape)}; expected a 3-D bf16/fp16/fp32 tensor (quantized "
+                f"fused experts other than MXFP4 are not supported)"
+            )
         fmt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[t.dtype]
-        loader = {"BF16": formats.from_bf16, "F16": formats.from_f16, "F32": formats.f32_to_f64}[t.dtype]
+        loader = {"BF16": formats.from_bf16, "F16": formats.from_f16, "F32": formats.f32_to_f64}[
+            t.dtype
+        ]
         n_e = t.shape[0]
         projs = ("down",) if g["proj"] == "down_proj" else ("gate", "up")
 
         def view(e: int, proj: str) -> np.ndarray:
             x = st.array(t.name)[e]
             if gptoss:  # K-major: [K, N] (down) or [K, 2N] interleaved (gate_up)
-                x = x if proj == "down" else x[:, {"gate": 0, "up": 1}[proj]::2]
+                x = x if proj == "down" else x[:, {"gate": 0, "up": 1}[proj] :: 2]
                 return np.ascontiguousarray(x.T)
             if proj == "down":
                 return x
@@ -341,10 +447,17 @@ class Checkpoint:
         shapes = {p: tuple(view(0, p).shape) for p in projs}
         for e in range(n_e):
             for proj in projs:
-                out.append(ProjectionSource(ExpertKey(layer, e, proj), g["moe"], fmt, shapes[proj], (t.name,),
-                                            t.nbytes // (n_e * len(projs)),
-                                            lambda e=e, proj=proj: loader(view(e, proj),
-                                                                          f"{t.name}[{e}].{proj}")))
+                out.append(
+                    ProjectionSource(
+                        ExpertKey(layer, e, proj),
+                        g["moe"],
+                        fmt,
+                        shapes[proj],
+                        (t.name,),
+                        t.nbytes // (n_e * len(projs)),
+                        lambda e=e, proj=proj: loader(view(e, proj), f"{t.name}[{e}].{proj}"),
+                    )
+                )
         return out
 
     # -- summary --
@@ -360,8 +473,9 @@ class Checkpoint:
         first = by_layer[layers[0]]
         gate = next((s for (e, p), s in first.items() if p == "gate"), None)
         if gate is None:
-            raise CheckpointError(f"{self.path}: layer {layers[0]} has no gate projection for its "
-                                  "experts")
+            raise CheckpointError(
+                f"{self.path}: layer {layers[0]} has no gate projection for its experts"
+            )
         inter, hidden = gate.shape
         expect = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         for layer in layers:
@@ -369,17 +483,23 @@ class Checkpoint:
                 for p in ("gate", "up", "down"):
                     s = by_layer[layer].get((e, p))
                     if s is None:
-                        raise CheckpointError(f"{self.path}: layer {layer} expert {e} has no {p} "
-                                              f"projection (config says {n_experts} experts); the "
-                                              "checkpoint is incomplete")
+                        raise CheckpointError(
+                            f"{self.path}: layer {layer} expert {e} has no {p} "
+                            f"projection (config says {n_experts} experts); the "
+                            "checkpoint is incomplete"
+                        )
                     if s.shape != expect[p]:
-                        raise CheckpointError(f"{self.path}: {s.tensors[0]}: {p} projection of "
-                                              f"expert {e} is {list(s.shape)}, expected "
-                                              f"{list(expect[p])} like expert 0 of layer {layers[0]}")
+                        raise CheckpointError(
+                            f"{self.path}: {s.tensors[0]}: {p} projection of "
+                            f"expert {e} is {list(s.shape)}, expected "
+                            f"{list(expect[p])} like expert 0 of layer {layers[0]}"
+                        )
             extra = [k for k in by_layer[layer] if k[0] >= n_experts]
             if extra:
-                raise CheckpointError(f"{self.path}: layer {layer} has expert {extra[0][0]} but "
-                                      f"config says {n_experts} experts")
+                raise CheckpointError(
+                    f"{self.path}: layer {layer} has expert {extra[0][0]} but "
+                    f"config says {n_experts} experts"
+                )
         n_hidden = int(self.tcfg.get("num_hidden_layers") or 0)
         mtp = [layer for layer in layers if n_hidden and layer >= n_hidden]
         fmts = sorted({s.fmt for s in self.sources})
@@ -390,14 +510,27 @@ class Checkpoint:
         if fmts in (["nvfp4"], ["mxfp4"]):
             fp4x = sum(s.source_bytes for s in self.sources)
         return CheckpointInfo(
-            path=str(self.path), architecture=(self.tcfg.get("architectures") or ["?"])[0],
-            family=self.family.name, source_format=fmts[0] if len(fmts) == 1 else "mixed",
-            dense_quantization=self.source_qconfig, n_experts=n_experts,
-            top_k=int(top_k) if top_k else None, hidden_size=hidden, moe_intermediate_size=inter,
-            moe_layers=layers, mtp_layers=mtp, n_projections=len(self.sources),
-            bytes={"source_experts": sum(s.source_bytes for s in self.sources), "dense": dense,
-                   "w2": numel // 4 + numel // 32, "fp4r": numel * 5 // 16, "fp4x": fp4x},
-            ckpt_id=ckpt_id(self.identity))
+            path=str(self.path),
+            architecture=(self.tcfg.get("architectures") or ["?"])[0],
+            family=self.family.name,
+            source_format=fmts[0] if len(fmts) == 1 else "mixed",
+            dense_quantization=self.source_qconfig,
+            n_experts=n_experts,
+            top_k=int(top_k) if top_k else None,
+            hidden_size=hidden,
+            moe_intermediate_size=inter,
+            moe_layers=layers,
+            mtp_layers=mtp,
+            n_projections=len(self.sources),
+            bytes={
+                "source_experts": sum(s.source_bytes for s in self.sources),
+                "dense": dense,
+                "w2": numel // 4 + numel // 32,
+                "fp4r": numel * 5 // 16,
+                "fp4x": fp4x,
+            },
+            ckpt_id=ckpt_id(self.identity),
+        )
 
     def close(self) -> None:
         self.st.close()

@@ -26,8 +26,11 @@ def format_info(info) -> str:
         ("architecture", f"{info.architecture} (family {info.family})"),
         ("expert format", info.source_format),
         ("dense quantization", (info.dense_quantization or {}).get("quant_method", "none")),
-        ("MoE layers", f"{len(info.moe_layers)}: {info.moe_layers}"
-         + (f" (MTP: {info.mtp_layers})" if info.mtp_layers else "")),
+        (
+            "MoE layers",
+            f"{len(info.moe_layers)}: {info.moe_layers}"
+            + (f" (MTP: {info.mtp_layers})" if info.mtp_layers else ""),
+        ),
         ("experts / top-k", f"{info.n_experts} / {info.top_k}"),
         ("hidden / expert intermediate", f"{info.hidden_size} / {info.moe_intermediate_size}"),
         ("expert projections", str(info.n_projections)),
@@ -56,8 +59,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_study(args: argparse.Namespace) -> int:
     from .study import format_report, study_checkpoint
 
-    report = study_checkpoint(args.checkpoint, zero_mode=args.zero_mode, limit=args.limit,
-                              progress=None if args.progress else False)
+    report = study_checkpoint(
+        args.checkpoint,
+        zero_mode=args.zero_mode,
+        limit=args.limit,
+        progress=None if args.progress else False,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
@@ -69,11 +76,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from .convert import ConvertOptions, convert
 
     opts = ConvertOptions(zero_mode=args.zero_mode, mode=args.mode, fp4_tier=args.fp4_tier)
-    res = convert(args.checkpoint, args.out, opts, dry_run=args.dry_run,
-                  progress=None if args.progress else False)
+    res = convert(
+        args.checkpoint,
+        args.out,
+        opts,
+        dry_run=args.dry_run,
+        progress=None if args.progress else False,
+    )
     tb = res.plan.tier_bytes
-    print(f"W2 experts {_gb(tb['w2'])}, FP4 tier {_gb(tb['fp4'])}, dense {_gb(tb['dense'])}, "
-          f"total {_gb(tb['total'])} in {len(res.plan.shards)} shard(s)")
+    print(
+        f"W2 experts {_gb(tb['w2'])}, FP4 tier {_gb(tb['fp4'])}, dense {_gb(tb['dense'])}, "
+        f"total {_gb(tb['total'])} in {len(res.plan.shards)} shard(s)"
+    )
     if res.dry_run:
         print("dry run: nothing written")
     else:
@@ -84,18 +98,26 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Add inspect, study and convert to a subparsers object (shared with `moet`)."""
-    p = sub.add_parser("inspect", help="what a MoE checkpoint holds: format, geometry, bytes per tier",
-                       description="Read config.json and the safetensors headers (not the weights) "
-                       "and report the experts' format, layers, geometry, bytes per tier, ckpt_id.")
+    p = sub.add_parser(
+        "inspect",
+        help="what a MoE checkpoint holds: format, geometry, bytes per tier",
+        description="Read config.json and the safetensors headers (not the weights) "
+        "and report the experts' format, layers, geometry, bytes per tier, ckpt_id.",
+    )
     p.add_argument("checkpoint", help="checkpoint directory (config.json + *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the CheckpointInfo as JSON")
     p.set_defaults(func=cmd_inspect)
 
-    zero_help = ("exact-zero sign balancing: auto (re-assign by k parity when one sign holds under "
-                 "5%% of a tensor's zeros), sign (keep sign bits), alt (always k parity)")
-    p = sub.add_parser("study", help="codebook study: symmetric W2 vs the L2-optimal 4-level codebook",
-                       description="Per expert projection, rel-RMS and signed bias of the symmetric "
-                       "{-4,-1,1,4} codebook vs the L2-optimal asymmetric one, and the GATE verdict.")
+    zero_help = (
+        "exact-zero sign balancing: auto (re-assign by k parity when one sign holds under "
+        "5%% of a tensor's zeros), sign (keep sign bits), alt (always k parity)"
+    )
+    p = sub.add_parser(
+        "study",
+        help="codebook study: symmetric W2 vs the L2-optimal 4-level codebook",
+        description="Per expert projection, rel-RMS and signed bias of the symmetric "
+        "{-4,-1,1,4} codebook vs the L2-optimal asymmetric one, and the GATE verdict.",
+    )
     p.add_argument("checkpoint")
     p.add_argument("--zero-mode", default="auto", choices=["auto", "sign", "alt"], help=zero_help)
     p.add_argument("--limit", type=int, default=None, help="study only the first N projections")
@@ -104,17 +126,28 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_study)
 
-    p = sub.add_parser("convert", help="write a moet checkpoint (2-bit experts, dense untouched)",
-                       description="Re-quantize the routed experts to W2 exactly (float64) and copy "
-                       "every other tensor. Resumable: rerun the same command after an interruption.")
+    p = sub.add_parser(
+        "convert",
+        help="write a moet checkpoint (2-bit experts, dense untouched)",
+        description="Re-quantize the routed experts to W2 exactly (float64) and copy "
+        "every other tensor. Resumable: rerun the same command after an interruption.",
+    )
     p.add_argument("checkpoint", help="source checkpoint directory")
     p.add_argument("out", help="output directory (new or empty, or an interrupted conversion)")
     p.add_argument("--zero-mode", default="auto", choices=["auto", "sign", "alt"], help=zero_help)
-    p.add_argument("--mode", default="reference", choices=["reference", "optimal"],
-                   help="reference: the specified quantizer; optimal: per-block exponent search")
-    p.add_argument("--fp4-tier", default="none", choices=["none", "fp4r", "fp4x"],
-                   help="also store FP4 tier data: fp4r (refinement plane), fp4x (the source's "
-                   "own NVFP4/MXFP4 data)")
+    p.add_argument(
+        "--mode",
+        default="reference",
+        choices=["reference", "optimal"],
+        help="reference: the specified quantizer; optimal: per-block exponent search",
+    )
+    p.add_argument(
+        "--fp4-tier",
+        default="none",
+        choices=["none", "fp4r", "fp4x"],
+        help="also store FP4 tier data: fp4r (refinement plane), fp4x (the source's "
+        "own NVFP4/MXFP4 data)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print sizes per tier, write nothing")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
@@ -133,8 +166,9 @@ def run(args: argparse.Namespace, prog: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="moet-quant", description="moet-quant: exact 2-bit "
-                                     "re-quantization of MoE checkpoints")
+    parser = argparse.ArgumentParser(
+        prog="moet-quant", description="moet-quant: exact 2-bit re-quantization of MoE checkpoints"
+    )
     parser.add_argument("--version", action="version", version=f"moet-quant {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_subcommands(sub)

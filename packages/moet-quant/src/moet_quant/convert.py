@@ -45,13 +45,16 @@ class ConvertOptions:
 
     def validate(self) -> None:
         if self.zero_mode not in w2.ZERO_MODES:
-            raise MoetError(f"--zero-mode {self.zero_mode!r} is unknown; choose one of "
-                            f"{', '.join(w2.ZERO_MODES)}")
+            raise MoetError(
+                f"--zero-mode {self.zero_mode!r} is unknown; choose one of "
+                f"{', '.join(w2.ZERO_MODES)}"
+            )
         if self.mode not in w2.MODES:
             raise MoetError(f"--mode {self.mode!r} is unknown; choose one of {', '.join(w2.MODES)}")
         if self.fp4_tier not in FP4_TIERS:
-            raise MoetError(f"--fp4-tier {self.fp4_tier!r} is unknown; choose one of "
-                            f"{', '.join(FP4_TIERS)}")
+            raise MoetError(
+                f"--fp4-tier {self.fp4_tier!r} is unknown; choose one of {', '.join(FP4_TIERS)}"
+            )
 
 
 @dataclass
@@ -79,22 +82,30 @@ class Plan:
 
 def _proj_outputs(src: ProjectionSource, opts: ConvertOptions, ck: Checkpoint) -> list[OutTensor]:
     n, k = src.shape
-    out = [OutTensor(f"{src.name}.w2_codes", "U8", (n, k // 4)),
-           OutTensor(f"{src.name}.w2_scales", "U8", (n, k // 32))]
+    out = [
+        OutTensor(f"{src.name}.w2_codes", "U8", (n, k // 4)),
+        OutTensor(f"{src.name}.w2_scales", "U8", (n, k // 32)),
+    ]
     if opts.fp4_tier == "fp4r":
         out.append(OutTensor(f"{src.name}.fp4_refine", "U8", (n, k // 16 * 5)))
     elif opts.fp4_tier == "fp4x":
         if src.fmt == "nvfp4":
             s2 = ck.st.info(next(t for t in src.tensors if t.endswith("weight_scale_2")))
-            out += [OutTensor(f"{src.name}.fp4_codes", "U8", (n, k // 2)),
-                    OutTensor(f"{src.name}.fp4_scales", "F8_E4M3", (n, k // 16)),
-                    OutTensor(f"{src.name}.fp4_scale_2", "F32", s2.shape)]
+            out += [
+                OutTensor(f"{src.name}.fp4_codes", "U8", (n, k // 2)),
+                OutTensor(f"{src.name}.fp4_scales", "F8_E4M3", (n, k // 16)),
+                OutTensor(f"{src.name}.fp4_scale_2", "F32", s2.shape),
+            ]
         elif src.fmt == "mxfp4":
-            out += [OutTensor(f"{src.name}.fp4_codes", "U8", (n, k // 2)),
-                    OutTensor(f"{src.name}.fp4_scales", "U8", (n, k // 32))]
+            out += [
+                OutTensor(f"{src.name}.fp4_codes", "U8", (n, k // 2)),
+                OutTensor(f"{src.name}.fp4_scales", "U8", (n, k // 32)),
+            ]
         else:
-            raise MoetError(f"--fp4-tier fp4x keeps the checkpoint's own FP4 data, but the experts "
-                            f"of {ck.path} are {src.fmt}; use --fp4-tier fp4r (or none)")
+            raise MoetError(
+                f"--fp4-tier fp4x keeps the checkpoint's own FP4 data, but the experts "
+                f"of {ck.path} are {src.fmt}; use --fp4-tier fp4r (or none)"
+            )
     return out
 
 
@@ -157,7 +168,9 @@ def _quantize_projection(src: ProjectionSource, opts: ConvertOptions) -> list[np
         x = src.fp4x()
         from .numerics import unpack_nibbles
 
-        base = w2.from_fp4_nibbles(unpack_nibbles(x["codes"]), x["scales"], opts.zero_mode, src.name)
+        base = w2.from_fp4_nibbles(
+            unpack_nibbles(x["codes"]), x["scales"], opts.zero_mode, src.name
+        )
     else:
         base = w2.quantize(src.load(), opts.zero_mode, opts.mode, name=src.name)
     out = [base.codes, base.scales]
@@ -196,11 +209,19 @@ def _modules_not_converted(ck: Checkpoint, consumed: set[str]) -> list[str]:
 
 def quantization_config(ck: Checkpoint, opts: ConvertOptions) -> dict:
     consumed = {t for s in ck.sources for t in s.tensors}
-    return {"quant_method": "moet", "format": w2.FORMAT, "zero_mode": opts.zero_mode,
-            "mode": opts.mode, "block_size": w2.BLOCK, "fp4_tier": opts.fp4_tier,
-            "modules_not_converted": _modules_not_converted(ck, consumed),
-            "source_format": ck.info.source_format, "source_ckpt_id": ck.info.ckpt_id,
-            "source_quantization_config": ck.source_qconfig, "moet_quant_version": __version__}
+    return {
+        "quant_method": "moet",
+        "format": w2.FORMAT,
+        "zero_mode": opts.zero_mode,
+        "mode": opts.mode,
+        "block_size": w2.BLOCK,
+        "fp4_tier": opts.fp4_tier,
+        "modules_not_converted": _modules_not_converted(ck, consumed),
+        "source_format": ck.info.source_format,
+        "source_ckpt_id": ck.info.ckpt_id,
+        "source_quantization_config": ck.source_qconfig,
+        "moet_quant_version": __version__,
+    }
 
 
 @dataclass
@@ -222,8 +243,10 @@ def _check_out_dir(out: Path, manifest_key: dict) -> dict:
     man_path = out / MANIFEST
     if not man_path.exists():
         if any(out.iterdir()):
-            raise MoetError(f"{out}: not empty and not a moet conversion in progress; choose an "
-                            "empty or new output directory")
+            raise MoetError(
+                f"{out}: not empty and not a moet conversion in progress; choose an "
+                "empty or new output directory"
+            )
         return {}
     try:
         man = json.loads(man_path.read_text())
@@ -231,18 +254,26 @@ def _check_out_dir(out: Path, manifest_key: dict) -> dict:
         if not isinstance(done, dict):
             raise TypeError
     except (json.JSONDecodeError, KeyError, TypeError):
-        raise MoetError(f"{man_path}: corrupt progress file; delete {out} and convert again") \
-            from None
+        raise MoetError(
+            f"{man_path}: corrupt progress file; delete {out} and convert again"
+        ) from None
     if man.get("key") != manifest_key:
-        raise MoetError(f"{out}: holds a conversion of another checkpoint or with other options "
-                        f"({man.get('key')}); choose another output directory or delete it")
+        raise MoetError(
+            f"{out}: holds a conversion of another checkpoint or with other options "
+            f"({man.get('key')}); choose another output directory or delete it"
+        )
     if manifest_key["source_ckpt_id"] is None:
         return {}  # an unresolvable identity is never trusted: redo every shard
     return done
 
 
-def convert(source: str | os.PathLike, out: str | os.PathLike, opts: ConvertOptions | None = None,
-            dry_run: bool = False, progress: bool | None = None) -> ConvertResult:
+def convert(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    opts: ConvertOptions | None = None,
+    dry_run: bool = False,
+    progress: bool | None = None,
+) -> ConvertResult:
     opts = opts or ConvertOptions()
     opts.validate()
     t0 = time.perf_counter()
@@ -252,31 +283,45 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, opts: ConvertOpti
         p = plan(ck, opts)
         if dry_run:
             return ConvertResult(out, p, [], [], time.perf_counter() - t0, dry_run=True)
-        key = {"source_ckpt_id": ck.info.ckpt_id, "source": str(Path(source).resolve()),
-               "zero_mode": opts.zero_mode, "mode": opts.mode, "fp4_tier": opts.fp4_tier,
-               "format": w2.FORMAT, "moet_quant_version": __version__}
+        key = {
+            "source_ckpt_id": ck.info.ckpt_id,
+            "source": str(Path(source).resolve()),
+            "zero_mode": opts.zero_mode,
+            "mode": opts.mode,
+            "fp4_tier": opts.fp4_tier,
+            "format": w2.FORMAT,
+            "moet_quant_version": __version__,
+        }
         done = _check_out_dir(out, key)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise MoetError(f"{out}: cannot create the output directory ({e.strerror}); choose a "
-                            "writable location") from None
+            raise MoetError(
+                f"{out}: cannot create the output directory ({e.strerror}); choose a "
+                "writable location"
+            ) from None
         if not os.access(out, os.W_OK):
             raise MoetError(f"{out}: not writable; choose a writable output directory")
         kept = []
         for sp in p.shards:
             rec = done.get(sp.name)
             path = out / sp.name
-            if rec and path.exists() and path.stat().st_size == rec.get("size") \
-                    and _sha256(path) == rec.get("sha256"):
+            if (
+                rec
+                and path.exists()
+                and path.stat().st_size == rec.get("size")
+                and _sha256(path) == rec.get("sha256")
+            ):
                 kept.append(sp.name)
         done = {k: v for k, v in done.items() if k in kept}
         todo = [sp for sp in p.shards if sp.name not in kept]
         need = sum(sp.size for sp in todo)
         free = shutil.disk_usage(out).free
         if need > free:
-            raise MoetError(f"{out}: needs {need / 1e9:.2f} GB free to write the converted shards, "
-                            f"found {free / 1e9:.2f} GB; free space or choose another directory")
+            raise MoetError(
+                f"{out}: needs {need / 1e9:.2f} GB free to write the converted shards, "
+                f"found {free / 1e9:.2f} GB; free space or choose another directory"
+            )
         manifest = {"key": key, "shards": done, "complete": False}
         _atomic_json(out / MANIFEST, manifest)
         total = sum(sp.source_bytes for sp in todo)
@@ -284,18 +329,21 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, opts: ConvertOpti
             for sp in todo:
                 path = out / sp.name
                 try:
-                    write_safetensors(path, sp.tensors, _shard_data(ck, sp, opts, bar),
-                                      {"format": "pt"})
+                    write_safetensors(
+                        path, sp.tensors, _shard_data(ck, sp, opts, bar), {"format": "pt"}
+                    )
                 except OSError as e:
                     (path.with_name(path.name + ".partial")).unlink(missing_ok=True)
                     if e.errno == errno.ENOSPC:
-                        raise MoetError(f"{path}: disk full while writing ({need / 1e9:.2f} GB "
-                                        "planned); free space and run convert again to resume") \
-                            from None
-                    raise MoetError(f"{path}: write failed ({e.strerror}); fix it and run convert "
-                                    "again to resume") from None
-                manifest["shards"][sp.name] = {"size": path.stat().st_size,
-                                               "sha256": _sha256(path)}
+                        raise MoetError(
+                            f"{path}: disk full while writing ({need / 1e9:.2f} GB "
+                            "planned); free space and run convert again to resume"
+                        ) from None
+                    raise MoetError(
+                        f"{path}: write failed ({e.strerror}); fix it and run convert "
+                        "again to resume"
+                    ) from None
+                manifest["shards"][sp.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
                 _atomic_json(out / MANIFEST, manifest)
         _finish(ck, out, p, opts)
         manifest["complete"] = True
@@ -308,13 +356,20 @@ def convert(source: str | os.PathLike, out: str | os.PathLike, opts: ConvertOpti
 def _finish(ck: Checkpoint, out: Path, p: Plan, opts: ConvertOptions) -> None:
     """Aux files, index and model card, then config.json last."""
     for f in ck.path.iterdir():
-        if f.is_file() and f.name not in SKIP_FILES and not f.name.endswith(
-                (".safetensors", ".bin", ".pt", ".pth", ".partial")):
+        if (
+            f.is_file()
+            and f.name not in SKIP_FILES
+            and not f.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".partial"))
+        ):
             shutil.copy2(f, out / f.name)
     weight_map = {t.name: sp.name for sp in p.shards for t in sp.tensors}
-    _atomic_json(out / "model.safetensors.index.json",
-                 {"metadata": {"total_size": sum(t.nbytes for sp in p.shards for t in sp.tensors)},
-                  "weight_map": weight_map})
+    _atomic_json(
+        out / "model.safetensors.index.json",
+        {
+            "metadata": {"total_size": sum(t.nbytes for sp in p.shards for t in sp.tensors)},
+            "weight_map": weight_map,
+        },
+    )
     qc = quantization_config(ck, opts)
     (out / "README.md").write_text(model_card(ck, p, qc))
     config = dict(ck.config)
@@ -326,13 +381,17 @@ def model_card(ck: Checkpoint, p: Plan, qc: dict) -> str:
     i = ck.info
     gb = 1e9
     lines = [
-        f"# {ck.path.name} (moet {qc['format']})", "",
+        f"# {ck.path.name} (moet {qc['format']})",
+        "",
         f"Converted by moet-quant {__version__} from `{ck.path.name}` ({i.architecture}, "
-        f"{i.source_format} experts, source ckpt_id `{i.ckpt_id}`).", "",
+        f"{i.source_format} experts, source ckpt_id `{i.ckpt_id}`).",
+        "",
         "Routed experts are 2-bit codes {-4, -1, +1, +4} with a UE8M0 scale per 32 weights "
         f"(zero_mode `{qc['zero_mode']}`, mode `{qc['mode']}`, FP4 tier `{qc['fp4_tier']}`); every "
-        "other tensor is the source's, byte for byte.", "",
-        "| what | value |", "|---|---|",
+        "other tensor is the source's, byte for byte.",
+        "",
+        "| what | value |",
+        "|---|---|",
         f"| MoE layers | {len(i.moe_layers)} ({', '.join(map(str, i.moe_layers))}) |",
         f"| routed experts per layer / top-k | {i.n_experts} / {i.top_k} |",
         f"| hidden / expert intermediate | {i.hidden_size} / {i.moe_intermediate_size} |",
@@ -340,8 +399,11 @@ def model_card(ck: Checkpoint, p: Plan, qc: dict) -> str:
         f"| W2 expert bytes | {p.tier_bytes['w2'] / gb:.3f} GB |",
         f"| FP4 tier bytes | {p.tier_bytes['fp4'] / gb:.3f} GB |",
         f"| dense bytes (unchanged) | {p.tier_bytes['dense'] / gb:.3f} GB |",
-        f"| checkpoint total | {p.total / gb:.3f} GB |", "",
-        "Serve it with vLLM and the moet plugin installed: `vllm serve <this directory>`.", ""]
+        f"| checkpoint total | {p.total / gb:.3f} GB |",
+        "",
+        "Serve it with vLLM and the moet plugin installed: `vllm serve <this directory>`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -355,5 +417,7 @@ def verify_complete(out: str | os.PathLike) -> None:
         except json.JSONDecodeError:
             complete = False
         if not complete:
-            raise CheckpointError(f"{out}: an interrupted moet conversion; run `moet convert` "
-                                  "again with the same arguments to resume")
+            raise CheckpointError(
+                f"{out}: an interrupted moet conversion; run `moet convert` "
+                "again with the same arguments to resume"
+            )

@@ -46,8 +46,10 @@ def nibbles_from_refinement(codes: np.ndarray, refine: np.ndarray) -> np.ndarray
     c = w2.unpack_codes(codes)
     n, k = c.shape
     if refine.shape != (n, k // 16 * 5):
-        raise FormatError(f"refinement plane has shape {list(refine.shape)}, expected "
-                          f"{[n, k // 16 * 5]} for codes of shape {list(codes.shape)}")
+        raise FormatError(
+            f"refinement plane has shape {list(refine.shape)}, expected "
+            f"{[n, k // 16 * 5]} for codes of shape {list(codes.shape)}"
+        )
     r = refine.reshape(n, k // 16, 5).astype(np.uint64)
     word = r[..., 0] | (r[..., 1] << 8) | (r[..., 2] << 16) | (r[..., 3] << 24) | (r[..., 4] << 32)
     v = np.stack([(word >> (10 * i)) & 0x3FF for i in range(4)], axis=-1).astype(np.int32)

@@ -12,6 +12,14 @@ from tqdm import tqdm
 def progress_bar(total: int, desc: str, enabled: bool | None = None, unit: str = "B"):
     """`enabled` None shows the bar only when stderr is a terminal."""
     show = sys.stderr.isatty() if enabled is None else enabled
-    with tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1024,
-              disable=not show, file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not show,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    ) as bar:
         yield bar

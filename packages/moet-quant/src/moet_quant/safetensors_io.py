@@ -53,7 +53,9 @@ class TensorInfo:
     nbytes: int
 
 
-def _fail(path: Path, what: str, todo: str = "re-download or re-export this file") -> CheckpointError:
+def _fail(
+    path: Path, what: str, todo: str = "re-download or re-export this file"
+) -> CheckpointError:
     return CheckpointError(f"{path}: {what}; {todo}")
 
 
@@ -71,12 +73,17 @@ class SafetensorsFile:
         size = os.fstat(self._fh.fileno()).st_size
         head = self._fh.read(8)
         if len(head) < 8:
-            raise _fail(self.path, f"truncated: {size} bytes, a safetensors file starts with an "
-                        "8-byte header length")
+            raise _fail(
+                self.path,
+                f"truncated: {size} bytes, a safetensors file starts with an 8-byte header length",
+            )
         (hlen,) = struct.unpack("<Q", head)
         if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-            raise _fail(self.path, f"header length {hlen} does not fit a file of {size} bytes "
-                        "(truncated or not a safetensors file)")
+            raise _fail(
+                self.path,
+                f"header length {hlen} does not fit a file of {size} bytes "
+                "(truncated or not a safetensors file)",
+            )
         raw = self._fh.read(hlen)
         try:
             header = json.loads(raw.decode("utf-8"))
@@ -107,21 +114,33 @@ class SafetensorsFile:
             raise _fail(self.path, f"tensor {name!r}: header entry lacks dtype/shape/data_offsets")
         dtype, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
         if dtype not in STORAGE_DTYPES:
-            raise _fail(self.path, f"tensor {name!r}: unsupported dtype {dtype!r} (supported: "
-                        f"{', '.join(STORAGE_DTYPES)})", "convert it to a supported dtype")
+            raise _fail(
+                self.path,
+                f"tensor {name!r}: unsupported dtype {dtype!r} (supported: "
+                f"{', '.join(STORAGE_DTYPES)})",
+                "convert it to a supported dtype",
+            )
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise _fail(self.path, f"tensor {name!r}: bad shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2
-                and all(isinstance(o, int) and o >= 0 for o in offs)):
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(isinstance(o, int) and o >= 0 for o in offs)
+        ):
             raise _fail(self.path, f"tensor {name!r}: bad data_offsets {offs!r}")
         want = int(np.prod(shape, dtype=np.int64)) * STORAGE_DTYPES[dtype].itemsize
         begin, end = offs
         if end - begin != want:
-            raise _fail(self.path, f"tensor {name!r}: {dtype}{shape} needs {want} bytes, header "
-                        f"gives {end - begin}")
+            raise _fail(
+                self.path,
+                f"tensor {name!r}: {dtype}{shape} needs {want} bytes, header gives {end - begin}",
+            )
         if end > data_len:
-            raise _fail(self.path, f"tensor {name!r}: data ends at byte {data_start + end} but the "
-                        f"file has {data_start + data_len} bytes (truncated)")
+            raise _fail(
+                self.path,
+                f"tensor {name!r}: data ends at byte {data_start + end} but the "
+                f"file has {data_start + data_len} bytes (truncated)",
+            )
         return TensorInfo(name, dtype, tuple(shape), self.path, data_start + begin, want)
 
     def _map(self) -> mmap.mmap:
@@ -161,8 +180,10 @@ class ShardedSafetensors:
     def __init__(self, directory: str | os.PathLike):
         self.dir = Path(directory)
         if not self.dir.is_dir():
-            raise CheckpointError(f"{self.dir}: not a directory; pass a checkpoint directory "
-                                  "holding config.json and *.safetensors")
+            raise CheckpointError(
+                f"{self.dir}: not a directory; pass a checkpoint directory "
+                "holding config.json and *.safetensors"
+            )
         self.files: dict[str, SafetensorsFile] = {}
         self.where: dict[str, str] = {}  # tensor name -> shard file name
         index = self.dir / self.INDEX
@@ -172,31 +193,41 @@ class ShardedSafetensors:
                 if not isinstance(weight_map, dict):
                     raise TypeError
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise CheckpointError(f"{index}: corrupt index (expected a JSON object with a "
-                                      "'weight_map'); re-download it") from None
+                raise CheckpointError(
+                    f"{index}: corrupt index (expected a JSON object with a "
+                    "'weight_map'); re-download it"
+                ) from None
             shards = sorted(set(weight_map.values()))
             missing = [s for s in shards if not (self.dir / s).is_file()]
             if missing:
-                raise CheckpointError(f"{self.dir}: missing shard(s) {', '.join(missing)} named by "
-                                      f"{self.INDEX}; download the complete checkpoint")
+                raise CheckpointError(
+                    f"{self.dir}: missing shard(s) {', '.join(missing)} named by "
+                    f"{self.INDEX}; download the complete checkpoint"
+                )
             for s in shards:
                 self.files[s] = SafetensorsFile(self.dir / s)
             for name, shard in weight_map.items():
                 if name not in self.files[shard].tensors:
-                    raise CheckpointError(f"{self.dir / shard}: has no tensor {name!r} although "
-                                          f"{self.INDEX} says so; the shard is stale or corrupt")
+                    raise CheckpointError(
+                        f"{self.dir / shard}: has no tensor {name!r} although "
+                        f"{self.INDEX} says so; the shard is stale or corrupt"
+                    )
                 self.where[name] = shard
         else:
             shards = sorted(p.name for p in self.dir.glob("*.safetensors"))
             if not shards:
-                raise CheckpointError(f"{self.dir}: no *.safetensors files (moet never loads "
-                                      "pickled .bin/.pt weights); export the model to safetensors")
+                raise CheckpointError(
+                    f"{self.dir}: no *.safetensors files (moet never loads "
+                    "pickled .bin/.pt weights); export the model to safetensors"
+                )
             for s in shards:
                 f = self.files[s] = SafetensorsFile(self.dir / s)
                 for name in f.tensors:
                     if name in self.where:
-                        raise CheckpointError(f"{self.dir}: tensor {name!r} is in both "
-                                              f"{self.where[name]} and {s}; remove the stale shard")
+                        raise CheckpointError(
+                            f"{self.dir}: tensor {name!r} is in both "
+                            f"{self.where[name]} and {s}; remove the stale shard"
+                        )
                     self.where[name] = s
 
     def __contains__(self, name: str) -> bool:
@@ -240,7 +271,11 @@ def header_bytes(tensors: Iterable[OutTensor], metadata: dict[str, str] | None =
         header["__metadata__"] = dict(metadata)
     off = 0
     for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [off, off + t.nbytes],
+        }
         off += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # 8-byte aligned data start, as the reference writer does
@@ -259,9 +294,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: str | os.PathLike, tensors: list[OutTensor],
-                      data: Iterator[bytes | memoryview | np.ndarray],
-                      metadata: dict[str, str] | None = None) -> int:
+def write_safetensors(
+    path: str | os.PathLike,
+    tensors: list[OutTensor],
+    data: Iterator[bytes | memoryview | np.ndarray],
+    metadata: dict[str, str] | None = None,
+) -> int:
     """Stream `data` (one buffer per tensor, in order) into `path` atomically; returns bytes written.
 
     The file appears under its final name only after every byte is written and fsynced.
@@ -272,11 +310,15 @@ def write_safetensors(path: str | os.PathLike, tensors: list[OutTensor],
     with open(tmp, "wb") as f:
         f.write(header_bytes(tensors, metadata))
         for t, buf in zip(tensors, data, strict=True):
-            mv = memoryview(np.ascontiguousarray(buf)).cast("B") if isinstance(buf, np.ndarray) \
+            mv = (
+                memoryview(np.ascontiguousarray(buf)).cast("B")
+                if isinstance(buf, np.ndarray)
                 else memoryview(buf).cast("B")
+            )
             if mv.nbytes != t.nbytes:
-                raise ValueError(f"{path}: tensor {t.name!r} produced {mv.nbytes} bytes, "
-                                 f"expected {t.nbytes}")
+                raise ValueError(
+                    f"{path}: tensor {t.name!r} produced {mv.nbytes} bytes, expected {t.nbytes}"
+                )
             f.write(mv)
             written += mv.nbytes
         f.flush()

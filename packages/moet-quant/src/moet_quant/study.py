@@ -53,8 +53,12 @@ _J = int(_Q * CANDIDATES[-1])  # edges j/_Q for j in -_J.._J
 _NBINS = 2 * _J + 2  # bins t = 0..49: (-inf, -6], ((j-1)/4, j/4] for j = -23..24, (6, inf)
 _CENTRES = (np.arange(-_J, _J + 2) - 0.5) / _Q  # bin t's centre; the tails' at -6.125, 6.125
 
-THRESHOLDS = {"sym_mean_abs_bias": 0.005, "l2opt_bias_ratio": 5.0, "sym_share": 0.90,
-              "rel_rms_penalty": 0.05}
+THRESHOLDS = {
+    "sym_mean_abs_bias": 0.005,
+    "l2opt_bias_ratio": 5.0,
+    "sym_share": 0.90,
+    "rel_rms_penalty": 0.05,
+}
 
 
 # --- the L2-optimal codebook --------------------------------------------------------------------
@@ -66,9 +70,13 @@ def _bin_stats(u: np.ndarray) -> np.ndarray:
     q = np.clip(np.ceil(u * _Q), -_J, _J + 1)  # bin (B[t-1], B[t]] with t = q + _J
     d = u - (q - 0.5) * (1.0 / _Q)
     t = (q + _J).astype(np.uint8)
-    return np.stack([np.bincount(t, minlength=_NBINS).astype(np.float64),
-                     np.bincount(t, weights=d, minlength=_NBINS),
-                     np.bincount(t, weights=d * d, minlength=_NBINS)])
+    return np.stack(
+        [
+            np.bincount(t, minlength=_NBINS).astype(np.float64),
+            np.bincount(t, weights=d, minlength=_NBINS),
+            np.bincount(t, weights=d * d, minlength=_NBINS),
+        ]
+    )
 
 
 def _bin_costs(stats: np.ndarray) -> np.ndarray:
@@ -86,15 +94,16 @@ def _pos(x: float) -> int:
 def _set_cost(cost: np.ndarray, idx: tuple[int, ...] | list[int]) -> float:
     """Cost of the level set CANDIDATES[idx] (sorted indices) from the bin costs."""
     c = CANDIDATES
-    total = cost[idx[0], : _pos(c[idx[0]])].sum() + cost[idx[-1], _pos(c[idx[-1]]):].sum()
+    total = cost[idx[0], : _pos(c[idx[0]])].sum() + cost[idx[-1], _pos(c[idx[-1]]) :].sum()
     for a, b in zip(idx[:-1], idx[1:]):
         m = _pos((c[a] + c[b]) / 2)
-        total += cost[a, _pos(c[a]): m].sum() + cost[b, m: _pos(c[b])].sum()
+        total += cost[a, _pos(c[a]) : m].sum() + cost[b, m : _pos(c[b])].sum()
     return float(total)
 
 
-def fit_levels(u: np.ndarray, n_levels: int = 4, stats: np.ndarray | None = None
-               ) -> tuple[np.ndarray, float]:
+def fit_levels(
+    u: np.ndarray, n_levels: int = 4, stats: np.ndarray | None = None
+) -> tuple[np.ndarray, float]:
     """Exact L2-optimal n_levels distinct levels among CANDIDATES for the values u (DP).
 
     Returns (sorted levels, Σ (u - nearest level)²). Prefers the symmetric set on a tie.
@@ -110,9 +119,9 @@ def fit_levels(u: np.ndarray, n_levels: int = 4, stats: np.ndarray | None = None
     for a in range(nc):
         for b in range(a + 1, nc):
             m = _pos((c[a] + c[b]) / 2)
-            pair[a, b] = cost[a, pos[a]: m].sum() + cost[b, m: pos[b]].sum()
+            pair[a, b] = cost[a, pos[a] : m].sum() + cost[b, m : pos[b]].sum()
     low = np.array([cost[i, : pos[i]].sum() for i in range(nc)])
-    high = np.array([cost[i, pos[i]:].sum() for i in range(nc)])
+    high = np.array([cost[i, pos[i] :].sum() for i in range(nc)])
     f = low.copy()  # f[b]: best cost of values <= c_b with c_b the last of j chosen levels
     back = []
     for _ in range(n_levels - 1):
@@ -195,8 +204,9 @@ def study_tensor(w: np.ndarray, zero_mode: str = "auto", name: str = "tensor") -
     acc = np.zeros(4)  # Σ err_sym, Σ err_sym², Σ err_l2, Σ err_l2²
     for c in chunks:
         u, scale = scaled(c)
-        l2 = (assign_levels(u, levels, w[c] == 0).reshape(scale.shape[:2] + (BLOCK,))
-              * scale).reshape(-1, k)
+        l2 = (
+            assign_levels(u, levels, w[c] == 0).reshape(scale.shape[:2] + (BLOCK,)) * scale
+        ).reshape(-1, k)
         for i, err in enumerate((sym[c] - w[c], l2 - w[c])):
             acc[2 * i] += err.sum()
             acc[2 * i + 1] += np.dot(err.ravel(), err.ravel())
@@ -253,40 +263,83 @@ def gate(summary: dict) -> dict:
     th = THRESHOLDS
     checks = []
     if not summary["n_tensors"]:
-        for name, op in (("sym_mean_abs_bias", "<"), ("l2opt_bias_ratio", ">="),
-                         ("sym_share", ">"), ("rel_rms_penalty", "<")):
-            checks.append({"name": name, "value": None, "threshold": th[name], "op": op,
-                           "passed": False, "note": "no tensors studied"})
+        for name, op in (
+            ("sym_mean_abs_bias", "<"),
+            ("l2opt_bias_ratio", ">="),
+            ("sym_share", ">"),
+            ("rel_rms_penalty", "<"),
+        ):
+            checks.append(
+                {
+                    "name": name,
+                    "value": None,
+                    "threshold": th[name],
+                    "op": op,
+                    "passed": False,
+                    "note": "no tensors studied",
+                }
+            )
         return {"passed": False, "checks": checks}
     v = summary["mean_abs_bias_sym"]
-    checks.append({"name": "sym_mean_abs_bias", "value": v, "threshold": th["sym_mean_abs_bias"],
-                   "op": "<", "passed": v < th["sym_mean_abs_bias"]})
-    ratio = {"name": "l2opt_bias_ratio", "value": summary["differs_bias_ratio"],
-             "threshold": th["l2opt_bias_ratio"], "op": ">="}
+    checks.append(
+        {
+            "name": "sym_mean_abs_bias",
+            "value": v,
+            "threshold": th["sym_mean_abs_bias"],
+            "op": "<",
+            "passed": v < th["sym_mean_abs_bias"],
+        }
+    )
+    ratio = {
+        "name": "l2opt_bias_ratio",
+        "value": summary["differs_bias_ratio"],
+        "threshold": th["l2opt_bias_ratio"],
+        "op": ">=",
+    }
     if not summary["n_l2opt_differs"]:
         ratio.update(passed=True, note="no such tensors (the L2-optimal set is always symmetric)")
     else:
         d_l2, d_sym = summary["differs_mean_abs_bias_l2"], summary["differs_mean_abs_bias_sym"]
         ratio["passed"] = bool(d_l2 >= th["l2opt_bias_ratio"] * d_sym)
-        ratio["note"] = f"over {summary['n_l2opt_differs']} tensors where the L2-optimal set differs"
+        ratio["note"] = (
+            f"over {summary['n_l2opt_differs']} tensors where the L2-optimal set differs"
+        )
         if d_sym == 0:
             ratio["note"] += "; symmetric mean |bias| is 0 there"
     checks.append(ratio)
     v = summary["sym_share"]
-    checks.append({"name": "sym_share", "value": v, "threshold": th["sym_share"], "op": ">",
-                   "passed": v > th["sym_share"]})
+    checks.append(
+        {
+            "name": "sym_share",
+            "value": v,
+            "threshold": th["sym_share"],
+            "op": ">",
+            "passed": v > th["sym_share"],
+        }
+    )
     v = summary["rel_rms_penalty"]
-    checks.append({"name": "rel_rms_penalty", "value": v, "threshold": th["rel_rms_penalty"],
-                   "op": "<", "passed": v is not None and v < th["rel_rms_penalty"]})
+    checks.append(
+        {
+            "name": "rel_rms_penalty",
+            "value": v,
+            "threshold": th["rel_rms_penalty"],
+            "op": "<",
+            "passed": v is not None and v < th["rel_rms_penalty"],
+        }
+    )
     return {"passed": all(c["passed"] for c in checks), "checks": checks}
 
 
 # --- checkpoint driver and report ---------------------------------------------------------------
 
 
-def study_checkpoint(path, zero_mode: str = "auto", limit: int | None = None,
-                     progress: bool = True) -> dict:
-    """Study every expert projection of a checkpoint, one tensor at a time (bounded memory)."""
+def study_checkpoint(
+    path, zero_mode: str = "auto", limit: int | None = None, progress: bool | None = True
+) -> dict:
+    """Study every expert projection of a checkpoint, one tensor at a time (bounded memory).
+
+    A tqdm bar goes to stderr when it is a TTY and progress is True or None (False: never).
+    """
     from .checkpoint import open_checkpoint
 
     ckpt = open_checkpoint(path)
@@ -294,7 +347,7 @@ def study_checkpoint(path, zero_mode: str = "auto", limit: int | None = None,
         sources = ckpt.sources if limit is None else ckpt.sources[: max(limit, 0)]
         tensors, skipped = [], []
         bar = None
-        if progress and sys.stderr.isatty():
+        if progress is not False and sys.stderr.isatty():  # None: auto, like True
             from tqdm import tqdm
 
             bar = tqdm(total=len(sources), desc="codebook study", unit="tensor", file=sys.stderr)
@@ -311,8 +364,14 @@ def study_checkpoint(path, zero_mode: str = "auto", limit: int | None = None,
     finally:
         ckpt.close()
     summary = summarize(tensors, len(skipped))
-    return {"checkpoint": str(path), "zero_mode": zero_mode, "tensors": tensors,
-            "skipped": skipped, "summary": summary, "gate": gate(summary)}
+    return {
+        "checkpoint": str(path),
+        "zero_mode": zero_mode,
+        "tensors": tensors,
+        "skipped": skipped,
+        "summary": summary,
+        "gate": gate(summary),
+    }
 
 
 def _f(x, spec: str = ".5f") -> str:
@@ -322,27 +381,35 @@ def _f(x, spec: str = ".5f") -> str:
 def format_report(report: dict) -> str:
     s, g = report["summary"], report["gate"]
     n = s["n_tensors"]
-    lines = [f"codebook study: {report['checkpoint']}  zero_mode={report['zero_mode']}  "
-             f"tensors={n}" + (f" (skipped {s['n_skipped']} all-zero)" if s["n_skipped"] else ""),
-             f"  {'':22}{'symmetric':>12}{'l2-optimal':>12}",
-             f"  {'mean |bias|':22}{_f(s['mean_abs_bias_sym']):>12}{_f(s['mean_abs_bias_l2']):>12}",
-             f"  {'mean rel-RMS':22}{_f(s['mean_rel_rms_sym']):>12}{_f(s['mean_rel_rms_l2']):>12}"]
+    lines = [
+        f"codebook study: {report['checkpoint']}  zero_mode={report['zero_mode']}  "
+        f"tensors={n}" + (f" (skipped {s['n_skipped']} all-zero)" if s["n_skipped"] else ""),
+        f"  {'':22}{'symmetric':>12}{'l2-optimal':>12}",
+        f"  {'mean |bias|':22}{_f(s['mean_abs_bias_sym']):>12}{_f(s['mean_abs_bias_l2']):>12}",
+        f"  {'mean rel-RMS':22}{_f(s['mean_rel_rms_sym']):>12}{_f(s['mean_rel_rms_l2']):>12}",
+    ]
     if n:
-        lines.append(f"  L2-optimal set is symmetric on {s['n_l2opt_symmetric']}/{n}; symmetric "
-                     f"wins on |bias| on {s['n_sym_wins']}/{n}; L2-optimal or wins: "
-                     f"{100 * s['sym_share']:.1f}%")
+        lines.append(
+            f"  L2-optimal set is symmetric on {s['n_l2opt_symmetric']}/{n}; symmetric "
+            f"wins on |bias| on {s['n_sym_wins']}/{n}; L2-optimal or wins: "
+            f"{100 * s['sym_share']:.1f}%"
+        )
         sets = ", ".join(f"{k} x{v}" for k, v in s["l2opt_level_sets"].items())
         lines.append(f"  L2-optimal level sets: {sets}")
         if s["n_l2opt_differs"]:
-            lines.append(f"  where they differ ({s['n_l2opt_differs']}): mean |bias| l2opt "
-                         f"{_f(s['differs_mean_abs_bias_l2'])} vs symmetric "
-                         f"{_f(s['differs_mean_abs_bias_sym'])} (ratio "
-                         f"{_f(s['differs_bias_ratio'], '.2f')}x)")
+            lines.append(
+                f"  where they differ ({s['n_l2opt_differs']}): mean |bias| l2opt "
+                f"{_f(s['differs_mean_abs_bias_l2'])} vs symmetric "
+                f"{_f(s['differs_mean_abs_bias_sym'])} (ratio "
+                f"{_f(s['differs_bias_ratio'], '.2f')}x)"
+            )
         lines.append(f"  rel-RMS penalty of symmetric: {_f(s['rel_rms_penalty'], '+.2%')}")
     for c in g["checks"]:
         val = _f(c["value"], ".5g")
         note = f"  ({c['note']})" if c.get("note") else ""
-        lines.append(f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']:18} {val} {c['op']} "
-                     f"{c['threshold']:g}{note}")
+        lines.append(
+            f"  {'PASS' if c['passed'] else 'FAIL'}  {c['name']:18} {val} {c['op']} "
+            f"{c['threshold']:g}{note}"
+        )
     lines.append(f"GATE: {'PASS' if g['passed'] else 'FAIL'}")
     return "\n".join(lines)

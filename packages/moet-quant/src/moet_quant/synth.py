@@ -17,16 +17,36 @@ from .numerics import E2M1_MAGNITUDES, E4M3_MAGNITUDES, f64_to_bf16_bits, pack_n
 from .safetensors_io import OutTensor, write_safetensors
 
 FAMILY_CONFIGS = {
-    "qwen3-moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                  "experts_key": "num_experts", "inter_key": "moe_intermediate_size"},
-    "mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
-                "experts_key": "num_local_experts", "inter_key": "intermediate_size"},
-    "glm": {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
-            "experts_key": "n_routed_experts", "inter_key": "moe_intermediate_size"},
-    "deepseek": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-                 "experts_key": "n_routed_experts", "inter_key": "moe_intermediate_size"},
-    "gpt-oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-                "experts_key": "num_local_experts", "inter_key": "intermediate_size"},
+    "qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "experts_key": "num_experts",
+        "inter_key": "moe_intermediate_size",
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "experts_key": "num_local_experts",
+        "inter_key": "intermediate_size",
+    },
+    "glm": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "experts_key": "n_routed_experts",
+        "inter_key": "moe_intermediate_size",
+    },
+    "deepseek": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "experts_key": "n_routed_experts",
+        "inter_key": "moe_intermediate_size",
+    },
+    "gpt-oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "experts_key": "num_local_experts",
+        "inter_key": "intermediate_size",
+    },
 }
 FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-pb-wo", "nvfp4", "mxfp4", "int4-pack")
 
@@ -112,24 +132,43 @@ def _proj_tensors(prefix: str, w: np.ndarray, fmt: str) -> list[tuple[str, str, 
         return [(f"{prefix}.weight", "F8_E4M3", q), (f"{prefix}.weight_scale_inv", "F32", s)]
     if fmt == "fp8-pb-wo":
         q, s = fp8_block(w)
-        return [(f"{prefix}.weight", "F8_E4M3", q),
-                (f"{prefix}.weight_scale", "F32", s.reshape(s.shape[0], 1, s.shape[1], 1))]
+        return [
+            (f"{prefix}.weight", "F8_E4M3", q),
+            (f"{prefix}.weight_scale", "F32", s.reshape(s.shape[0], 1, s.shape[1], 1)),
+        ]
     if fmt == "nvfp4":
         q, s1, s2 = nvfp4(w)
-        return [(f"{prefix}.weight", "U8", q), (f"{prefix}.weight_scale", "F8_E4M3", s1),
-                (f"{prefix}.weight_scale_2", "F32", s2), (f"{prefix}.input_scale", "F32",
-                                                          np.array(1.0, dtype=np.float32))]
+        return [
+            (f"{prefix}.weight", "U8", q),
+            (f"{prefix}.weight_scale", "F8_E4M3", s1),
+            (f"{prefix}.weight_scale_2", "F32", s2),
+            (f"{prefix}.input_scale", "F32", np.array(1.0, dtype=np.float32)),
+        ]
     if fmt == "int4-pack":
         q, s = int4_pack(w)
-        return [(f"{prefix}.weight_packed", "I32", q), (f"{prefix}.weight_scale", "BF16", s),
-                (f"{prefix}.weight_shape", "I64", np.array(w.shape, dtype=np.int64))]
+        return [
+            (f"{prefix}.weight_packed", "I32", q),
+            (f"{prefix}.weight_scale", "BF16", s),
+            (f"{prefix}.weight_shape", "I64", np.array(w.shape, dtype=np.int64)),
+        ]
     raise ValueError(f"format {fmt!r} has no per-expert layout here")
 
 
-def write_checkpoint(out: str | Path, family: str = "qwen3-moe", fmt: str = "bf16",
-                     n_layers: int = 2, n_experts: int = 8, hidden: int = 64, inter: int = 32,
-                     top_k: int = 2, seed: int = 0, shards: int = 2, fused: bool = False,
-                     zero_fraction: float = 0.0, std: float = 0.02) -> Path:
+def write_checkpoint(
+    out: str | Path,
+    family: str = "qwen3-moe",
+    fmt: str = "bf16",
+    n_layers: int = 2,
+    n_experts: int = 8,
+    hidden: int = 64,
+    inter: int = 32,
+    top_k: int = 2,
+    seed: int = 0,
+    shards: int = 2,
+    fused: bool = False,
+    zero_fraction: float = 0.0,
+    std: float = 0.02,
+) -> Path:
     """Write a synthetic MoE checkpoint; returns its directory.
 
     `fused` stores experts as transformers' fused [E, 2I, H] / [E, H, I] tensors (bf16 only);
@@ -153,12 +192,19 @@ def write_checkpoint(out: str | Path, family: str = "qwen3-moe", fmt: str = "bf1
     for layer in range(n_layers):
         p = f"model.layers.{layer}"
         tensors.append((f"{p}.input_layernorm.weight", "BF16", f64_to_bf16_bits(np.ones(hidden))))
-        tensors.append((f"{p}.self_attn.q_proj.weight", "BF16",
-                        f64_to_bf16_bits(weight(hidden, hidden))))
-        tensors.append((f"{p}.{moe}.gate.weight", "BF16", f64_to_bf16_bits(weight(n_experts, hidden))))
+        tensors.append(
+            (f"{p}.self_attn.q_proj.weight", "BF16", f64_to_bf16_bits(weight(hidden, hidden)))
+        )
+        tensors.append(
+            (f"{p}.{moe}.gate.weight", "BF16", f64_to_bf16_bits(weight(n_experts, hidden)))
+        )
         if family == "gpt-oss" or fused:
-            gu = np.stack([np.concatenate([weight(inter, hidden), weight(inter, hidden)])
-                           for _ in range(n_experts)])  # [E, 2I, H], gate rows first
+            gu = np.stack(
+                [
+                    np.concatenate([weight(inter, hidden), weight(inter, hidden)])
+                    for _ in range(n_experts)
+                ]
+            )  # [E, 2I, H], gate rows first
             dn = np.stack([weight(hidden, inter) for _ in range(n_experts)])  # [E, H, I]
             base = f"{p}.{moe}.experts"
             if family == "gpt-oss":
@@ -168,16 +214,34 @@ def write_checkpoint(out: str | Path, family: str = "qwen3-moe", fmt: str = "bf1
                     for nm, x in (("gate_up_proj", inter_rows), ("down_proj", dn)):
                         pairs = [mxfp4(x[e]) for e in range(n_experts)]
                         blocks = np.stack([b for b, _ in pairs])
-                        tensors.append((f"{base}.{nm}_blocks", "U8",
-                                        blocks.reshape(n_experts, x.shape[1], -1, 16)))
-                        tensors.append((f"{base}.{nm}_scales", "U8", np.stack([s for _, s in pairs])))
+                        tensors.append(
+                            (
+                                f"{base}.{nm}_blocks",
+                                "U8",
+                                blocks.reshape(n_experts, x.shape[1], -1, 16),
+                            )
+                        )
+                        tensors.append(
+                            (f"{base}.{nm}_scales", "U8", np.stack([s for _, s in pairs]))
+                        )
                 else:
-                    tensors.append((f"{base}.gate_up_proj", "BF16",
-                                    f64_to_bf16_bits(inter_rows.transpose(0, 2, 1))))
-                    tensors.append((f"{base}.down_proj", "BF16",
-                                    f64_to_bf16_bits(dn.transpose(0, 2, 1))))
-                tensors.append((f"{base}.gate_up_proj_bias", "BF16",
-                                f64_to_bf16_bits(np.zeros((n_experts, 2 * inter)))))
+                    tensors.append(
+                        (
+                            f"{base}.gate_up_proj",
+                            "BF16",
+                            f64_to_bf16_bits(inter_rows.transpose(0, 2, 1)),
+                        )
+                    )
+                    tensors.append(
+                        (f"{base}.down_proj", "BF16", f64_to_bf16_bits(dn.transpose(0, 2, 1)))
+                    )
+                tensors.append(
+                    (
+                        f"{base}.gate_up_proj_bias",
+                        "BF16",
+                        f64_to_bf16_bits(np.zeros((n_experts, 2 * inter))),
+                    )
+                )
             else:
                 tensors.append((f"{base}.gate_up_proj", "BF16", f64_to_bf16_bits(gu)))
                 tensors.append((f"{base}.down_proj", "BF16", f64_to_bf16_bits(dn)))
@@ -204,25 +268,49 @@ def write_checkpoint(out: str | Path, family: str = "qwen3-moe", fmt: str = "bf1
         metas = [OutTensor(n, d, tuple(a.shape)) for n, d, a in grp]
         write_safetensors(out / fname, metas, (a for _, _, a in grp), {"format": "pt"})
         weight_map.update({n: fname for n, _, _ in grp})
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    config = {"architectures": fc["architectures"], "model_type": fc["model_type"],
-              "hidden_size": hidden, "num_hidden_layers": n_layers, fc["experts_key"]: n_experts,
-              fc["inter_key"]: inter, "num_experts_per_tok": top_k, "vocab_size": 128,
-              "torch_dtype": "bfloat16"}
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    config = {
+        "architectures": fc["architectures"],
+        "model_type": fc["model_type"],
+        "hidden_size": hidden,
+        "num_hidden_layers": n_layers,
+        fc["experts_key"]: n_experts,
+        fc["inter_key"]: inter,
+        "num_experts_per_tok": top_k,
+        "vocab_size": 128,
+        "torch_dtype": "bfloat16",
+    }
     if fmt == "fp8-block":
-        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                         "activation_scheme": "dynamic",
-                                         "weight_block_size": [128, 128]}
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
     elif fmt == "int4-pack":
         config["quantization_config"] = {
-            "quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                "group_size": 32}}}}
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                    },
+                }
+            },
+        }
     elif fmt in ("nvfp4", "fp8-pb-wo"):
-        config["quantization_config"] = {"quant_method": "modelopt",
-                                         "quant_algo": "NVFP4" if fmt == "nvfp4" else "FP8_PB_WO"}
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4" if fmt == "nvfp4" else "FP8_PB_WO",
+        }
     elif fmt == "mxfp4":
         config["quantization_config"] = {"quant_method": "mxfp4"}
     (out / "config.json").write_text(json.dumps(config, indent=1))

@@ -49,8 +49,10 @@ class W2Tensor:
 
 def _check_geometry(shape: tuple[int, ...], name: str) -> None:
     if len(shape) != 2 or shape[1] % BLOCK:
-        raise FormatError(f"tensor {name!r}: shape {list(shape)} cannot take W2: expected [N, K] "
-                          f"with K a multiple of {BLOCK} (the scale block)")
+        raise FormatError(
+            f"tensor {name!r}: shape {list(shape)} cannot take W2: expected [N, K] "
+            f"with K a multiple of {BLOCK} (the scale block)"
+        )
 
 
 def _check_modes(zero_mode: str, mode: str) -> None:
@@ -129,16 +131,23 @@ def _block_errors(w: np.ndarray, e: np.ndarray) -> np.ndarray:
     return ((np.abs(w) - q) ** 2).sum(-1)  # a zero's error does not depend on its sign
 
 
-def quantize_f64(w: np.ndarray, zero_mode: str = "auto", mode: str = "reference",
-                 name: str = "tensor", with_grid: bool = False):
+def quantize_f64(
+    w: np.ndarray,
+    zero_mode: str = "auto",
+    mode: str = "reference",
+    name: str = "tensor",
+    with_grid: bool = False,
+):
     """Quantize float64 w [N, K]. Returns W2Tensor, or (W2Tensor, grid idx, sign) with_grid."""
     _check_modes(zero_mode, mode)
     _check_geometry(w.shape, name)
     w = np.asarray(w, dtype=np.float64)
     if not np.isfinite(w).all():
         n, k = np.argwhere(~np.isfinite(w))[0]
-        raise FormatError(f"tensor {name!r}: non-finite weight (NaN/Inf) at [{n}, {k}]; the "
-                          "checkpoint is corrupt: re-export it")
+        raise FormatError(
+            f"tensor {name!r}: non-finite weight (NaN/Inf) at [{n}, {k}]; the "
+            "checkpoint is corrupt: re-export it"
+        )
     n, k = w.shape
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     e = block_exponent(np.abs(blocks).max(-1))
@@ -160,23 +169,21 @@ def quantize_f64(w: np.ndarray, zero_mode: str = "auto", mode: str = "reference"
 def _unit(enc: Encoded) -> int:
     """Width of the unit over which the source scale is constant and which tiles a 32-block."""
     g = enc.group
-    if g % BLOCK == 0:
+    if enc.scale is None or g % BLOCK == 0:
         return BLOCK
     if BLOCK % g == 0:
         return g
     return 0  # no common tiling: take the float64 path
 
 
-def _threshold_codes(table: np.ndarray, scale: np.ndarray | None, e: np.ndarray,
-                     mult: float) -> np.ndarray:
+def _threshold_codes(
+    table: np.ndarray, scale: np.ndarray | None, e: np.ndarray, mult: float
+) -> np.ndarray:
     """T = #{m : table[m] * scale <= mult * 2**e}, exactly, so |w| > mult * 2**e <=> mag >= T.
 
-    Without a scale T depends on e alone: a 255-entry lookup. With one, thr / scale is rounded,
+    Without a scale T depends on e alone (see `_exponent_lut`). With one, thr / scale is rounded,
     so the search result is corrected by one entry either way using exact products.
     """
-    if scale is None:
-        lut = np.searchsorted(table, mult * np.exp2(np.arange(-127, 128.0)), side="right")
-        return lut[e.astype(np.int32) + 127]
     thr = mult * np.exp2(e.astype(np.float64))
     n_tab = table.size
     safe = np.where(scale > 0, scale, 1.0)
@@ -186,6 +193,11 @@ def _threshold_codes(table: np.ndarray, scale: np.ndarray | None, e: np.ndarray,
     hi = np.minimum(t, n_tab - 1)
     t += (t < n_tab) & (table[hi] * scale <= thr)
     return np.where(scale > 0, t, n_tab)  # a zero scale makes every weight zero: nothing is big
+
+
+def _exponent_lut(table: np.ndarray, mult: float) -> np.ndarray:
+    """For unscaled sources: T for every block exponent -127..127, indexed by e + 127."""
+    return np.searchsorted(table, mult * np.exp2(np.arange(-127, 128.0)), side="right")
 
 
 def _unit_scales(enc: Encoded, unit: int) -> np.ndarray | None:
@@ -198,12 +210,24 @@ def _unit_scales(enc: Encoded, unit: int) -> np.ndarray | None:
     return enc.scale[:, cols]
 
 
-def quantize(src: Encoded | np.ndarray, zero_mode: str = "auto", mode: str = "reference",
-             name: str | None = None, with_grid: bool = False):
+BAND_ELEMENTS = 1 << 17  # weights per band: the band's temporaries stay in the L2 cache
+
+
+def quantize(
+    src: Encoded | np.ndarray,
+    zero_mode: str = "auto",
+    mode: str = "reference",
+    name: str | None = None,
+    with_grid: bool = False,
+):
     """Quantize one expert projection (an Encoded source or float64 values) to W2.
 
     Returns a W2Tensor, or with_grid (W2Tensor, e2m1 grid index [N, K] uint8, sign plane [N, K])
     where the sign plane is after zero balancing: the fp4r tier's nibbles.
+
+    Works in bands of rows small enough for the L2 cache. In `auto` zero mode the bands are first
+    quantized with sign-bit zeros while the zeros are counted, and each band with zeros keeps the
+    packed XOR that balancing would apply; when the count says to balance, it is applied.
     """
     if isinstance(src, np.ndarray):
         return quantize_f64(src, zero_mode, mode, name or "tensor", with_grid)
@@ -215,36 +239,85 @@ def quantize(src: Encoded | np.ndarray, zero_mode: str = "auto", mode: str = "re
         return quantize_f64(src.dequant(), zero_mode, mode, name, with_grid)
     n, k = src.shape
     per_block = BLOCK // unit
-    mag = src.mag.reshape(n, k // unit, unit)
-    umax = mag.max(-1)
-    if int(umax.max(initial=0)) >= src.n_finite:
-        check_finite_codes(src)
     table = src.table[: src.n_finite]
-    scale = _unit_scales(src, unit)
-    uamax = table[umax] if scale is None else table[umax] * scale
-    e = block_exponent(uamax.reshape(n, k // BLOCK, per_block).max(-1))
-    e_units = np.repeat(e, per_block, axis=1)
+    unit_scales = _unit_scales(src, unit)
+    mults = [float(m) for m in E2M1_MIDPOINTS] if with_grid else [2.5]
+    luts = (
+        {m: _exponent_lut(table, m).astype(src.raw.dtype) for m in mults}
+        if unit_scales is None
+        else {}
+    )
+    odd_k = (np.arange(k) & 1).astype(bool)
+    codes = np.empty((n, k // 4), dtype=np.uint8)
+    scales = np.empty((n, k // BLOCK), dtype=np.uint8)
+    grid_all = np.empty((n, k), dtype=np.uint8) if with_grid else None
+    neg_all = np.empty((n, k), dtype=bool) if with_grid else None
+    flips: dict[int, np.ndarray] = {}  # band start -> packed XOR that applies zero balancing
 
-    def above(mult: float) -> np.ndarray:  # |w| > mult * 2**e, per weight
-        t = _threshold_codes(table, scale, e_units, mult).astype(mag.dtype)
-        return (mag >= t[..., None]).reshape(n, k)
+    def band(r0: int, r1: int, balance: bool) -> tuple[int, int]:
+        """Quantize rows [r0, r1); -> (exact zeros, negative zeros) seen there."""
+        mag, neg = src.rows(r0, r1)
+        rows = r1 - r0
+        umag = mag.reshape(rows, k // unit, unit)
+        umax = umag.max(-1)
+        if int(umax.max(initial=0)) >= src.n_finite:
+            check_finite_codes(src, mag, r0)
+        scale = None if unit_scales is None else unit_scales[r0:r1]
+        uamax = np.take(table, umax)
+        if scale is not None:
+            uamax *= scale
+        if per_block == 2:  # (numpy reductions over very short axes are slow)
+            uamax = np.maximum(uamax[:, 0::2], uamax[:, 1::2])
+        elif per_block > 1:
+            uamax = uamax.reshape(rows, k // BLOCK, per_block).max(-1)
+        e = block_exponent(uamax)
+        e_units = np.repeat(e, per_block, axis=1) if per_block > 1 else e
 
-    neg = src.neg
-    if zero_mode != "sign":
-        neg = _balance_zeros(neg, src.mag == 0, zero_mode)
-    if with_grid:  # grid index = number of e2m1 midpoints strictly below |u|
-        grid = np.zeros((n, k), dtype=np.uint8)
-        for mid in E2M1_MIDPOINTS:
-            grid += above(float(mid))
-        big = grid >= BIG_FROM
-    else:
-        big = above(2.5)
-    out = W2Tensor(pack_codes(_codes_from(neg, big)), (e + 127).astype(np.uint8))
-    return (out, grid, neg) if with_grid else out
+        def above(mult: float) -> np.ndarray:  # |w| > mult * 2**e, per weight
+            if scale is None:
+                t = np.take(luts[mult], e_units + 127)
+            else:
+                t = _threshold_codes(table, scale, e_units, mult).astype(mag.dtype)
+            return (umag >= t[..., None]).reshape(rows, k)
+
+        zero = mag == 0
+        counts = int(np.count_nonzero(zero)), int(np.count_nonzero(zero & neg))
+        if balance and counts[0]:
+            neg = np.where(zero, odd_k, neg)
+        elif counts[0] and zero_mode == "auto" and not with_grid:
+            # what balancing would change: a zero's code 2 - neg becomes 2 - odd_k (1 <-> 2 is ^3)
+            flips[r0] = pack_codes((zero & (neg ^ odd_k)).view(np.uint8) * np.uint8(3))
+        if with_grid:  # grid index = number of e2m1 midpoints strictly below |u|
+            grid = np.zeros((rows, k), dtype=np.uint8)
+            for mid in mults:
+                grid += above(mid)
+            big = grid >= BIG_FROM
+            grid_all[r0:r1], neg_all[r0:r1] = grid, neg
+        else:
+            big = above(2.5)
+        codes[r0:r1] = pack_codes(_codes_from(neg, big))
+        scales[r0:r1] = e + 127
+        return counts
+
+    step = max(1, BAND_ELEMENTS // k)
+    bands = [(r0, min(n, r0 + step)) for r0 in range(0, n, step)]
+    balance = zero_mode == "alt"
+    seen = [band(r0, r1, balance) for r0, r1 in bands]
+    if zero_mode == "auto":
+        n_zero, n_neg = (sum(c) for c in zip(*seen))
+        if n_zero and 20 * min(n_neg, n_zero - n_neg) < n_zero:
+            for (r0, r1), (z, _) in zip(bands, seen):
+                if z and with_grid:
+                    band(r0, r1, True)
+                elif z:
+                    codes[r0:r1] ^= flips[r0]
+    out = W2Tensor(codes, scales)
+    return (out, grid_all, neg_all) if with_grid else out
 
 
-def from_fp4_nibbles(nibbles: np.ndarray, scales: np.ndarray, zero_mode: str = "auto",
-                     name: str = "tensor") -> W2Tensor:
+def from_fp4_nibbles(
+    nibbles: np.ndarray, scales: np.ndarray, zero_mode: str = "auto", name: str = "tensor"
+) -> W2Tensor:
     """FP4 sources with UE8M0 block-32 scales (MXFP4): map nibble -> code, keep scales verbatim."""
     _check_modes(zero_mode, "reference")
     _check_geometry(nibbles.shape, name)
