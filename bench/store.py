@@ -44,9 +44,10 @@ def machine() -> dict:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        commit = subprocess.run(
+        git = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+        )
+        commit = git.stdout.strip() if git.returncode == 0 else ""
     except OSError:
         commit = ""
     info = {
@@ -56,7 +57,7 @@ def machine() -> dict:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "moet_store": moet_store.__version__,
-        "commit": commit or None,
+        "commit": commit or os.environ.get("MOET_COMMIT") or None,
     }
     try:
         import torch
@@ -64,6 +65,12 @@ def machine() -> dict:
         info["torch"] = torch.__version__
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            )
+            info["driver"] = smi.stdout.strip() or None
     except ImportError:
         pass
     return info

@@ -28,10 +28,19 @@ def build_model() -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=2048, hidden_size=512, intermediate_size=1024,
-                         moe_intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
-                         num_key_value_heads=4, head_dim=64, num_experts=32,
-                         num_experts_per_tok=4, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=2048,
+        hidden_size=512,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     tmp = MODEL.with_name(MODEL.name + ".partial")

@@ -179,3 +179,14 @@ def test_stall_still_correct(pack):
         with st.fetch([(1, 2)]) as b:
             check_batch(b, [(1, 2)], rows)
         assert st.stats()["latency_us_p99"] >= 2000
+
+
+def test_auto_engine_for_buffered_only_stores_is_the_pread_pool(tmp_path):
+    """The pagecache backend never uses O_DIRECT: auto takes the pread pool (it scales with
+    readers where io_uring's buffered reads did not, bench/results/store/h200-2026-11-29.json)."""
+    spec = moet_store.PackSpec("w2", 0, 0, 1, 4, 4096, {"ckpt": "engine-choice"})
+    with moet_store.open_pack_for_write(tmp_path, spec) as w:
+        w.write_layer(0, np.zeros((4, 4096), np.uint8))
+    with moet_store.open_store(tmp_path, spec, backend="pagecache") as st:
+        info = st.runtime_info()
+        assert info["engine"] == "pread" and "buffered reads only" in info["engine_reason"]

@@ -211,7 +211,7 @@ void FaultEngine::submit(ReadOp* ops, size_t n) {
 // ---------------------------------------------------------------- choice
 
 EngineChoice choose_engine(const std::string& kind, int readers, const FaultConfig& faults,
-                           unsigned queue_depth) {
+                           unsigned queue_depth, bool buffered_only) {
   EngineChoice c;
   if (kind != "auto" && kind != "io_uring" && kind != "pread") {
     throw std::invalid_argument("engine must be 'auto', 'io_uring' or 'pread', got '" + kind + "'");
@@ -219,6 +219,11 @@ EngineChoice choose_engine(const std::string& kind, int readers, const FaultConf
   if (kind == "pread") {
     c.engine = std::make_unique<PreadPool>(readers);
     c.reason = "pread requested";
+  } else if (kind == "auto" && buffered_only) {
+    c.engine = std::make_unique<PreadPool>(readers);
+    c.reason =
+        "buffered reads only: the pread pool (it scales with readers; io_uring is kept "
+        "for O_DIRECT)";
   } else {
     UringProbe p = probe_uring();
     if (p.ok) {

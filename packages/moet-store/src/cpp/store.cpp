@@ -73,7 +73,8 @@ Store::Store(const StoreConfig& cfg, std::vector<uint8_t> layer_written, std::ve
   try {
     arena_ = std::make_shared<Mapping>(cfg_.arena_slots * cfg_.stride, cfg_.populate);
     stage_ = std::make_shared<Mapping>(cfg_.stage_slots * cfg_.stride, cfg_.populate);
-    EngineChoice ch = choose_engine(cfg_.engine, cfg_.readers, cfg_.faults, cfg_.queue_depth);
+    EngineChoice ch =
+        choose_engine(cfg_.engine, cfg_.readers, cfg_.faults, cfg_.queue_depth, cfg_.direct == 0);
     engine_ = std::move(ch.engine);
     engine_reason_ = ch.reason;
   } catch (...) {

@@ -132,6 +132,11 @@ TEST(engine_probe_and_choice) {
     CHECK(c.reason.find("not built") != std::string::npos);
   }
   CHECK_THROWS(choose_engine("bogus", 1, {}), std::invalid_argument);
+  // buffered-only stores take the pread pool in auto, whatever io_uring's state
+  EngineChoice b = choose_engine("auto", 2, {}, 64, true);
+  CHECK(b.engine->name() == "pread");
+  CHECK(b.reason.find("buffered reads only") != std::string::npos);
+  CHECK(choose_engine("pread", 2, {}, 64, true).engine->name() == "pread");
 }
 
 TEST(engines_read_exact_bytes) {
