@@ -117,6 +117,16 @@ TEST(crc32c_known_vector) {
   CHECK(crc32c(s, 9) == 0xE3069283u);
   CHECK(crc32c(s + 4, 5, crc32c(s, 4)) == 0xE3069283u);
   CHECK(crc32c("", 0) == 0);
+  // long buffers take the three-stream path: it must equal byte-wise chaining (one stream)
+  std::vector<uint8_t> buf(70000);
+  uint32_t x = 12345;
+  for (auto& b : buf) b = uint8_t((x = x * 1103515245u + 12345u) >> 24);
+  for (size_t n : {3071u, 3072u, 3080u, 4099u, 65536u, 70000u}) {
+    uint32_t chained = 0;
+    for (size_t i = 0; i < n; i += 1000)
+      chained = crc32c(buf.data() + i, std::min<size_t>(1000, n - i), chained);
+    CHECK(crc32c(buf.data(), n) == chained);
+  }
 }
 
 TEST(engine_probe_and_choice) {
