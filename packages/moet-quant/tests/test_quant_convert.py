@@ -194,3 +194,69 @@ def test_cli_convert_inspect_and_clean_errors(make_ckpt, tmp_path):
     r = run("inspect", src)
     assert r.returncode == 2 and shard.name in r.stderr and "truncated" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_kill_9_at_random_points_never_leaves_a_complete_looking_checkpoint(make_ckpt, tmp_path):
+    """A real SIGKILL mid-conversion: the output never looks complete until it is, and rerunning
+    the same command finishes it with the same bytes as an uninterrupted conversion."""
+    import os
+    import random
+    import signal
+    import time
+
+    src = make_ckpt("qwen3-moe", "bf16", shards=6, n_layers=6, hidden=256, inter=128, n_experts=8)
+    full = tmp_path / "full"
+    convert.convert(src, full, progress=False)
+    cmd = [sys.executable, "-m", "moet_quant.cli", "convert", str(src), "OUT", "--no-progress"]
+    rng = random.Random(1)
+    killed_midway = 0
+    for trial in range(6):
+        out = tmp_path / f"out{trial}"
+        p = subprocess.Popen(
+            [a if a != "OUT" else str(out) for a in cmd],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not (out / ".moet-convert.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        time.sleep(rng.uniform(0, 0.15))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if not (out / "config.json").exists():
+            killed_midway += 1
+            with pytest.raises(MoetError, match="interrupted"):
+                convert.verify_complete(out)
+        r = subprocess.run(
+            [a if a != "OUT" else str(out) for a in cmd], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stderr
+        convert.verify_complete(out)
+        for f in full.iterdir():
+            if f.suffix == ".safetensors" or f.name == "config.json":
+                assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+        assert not list(out.glob("*.partial"))
+        assert os.path.exists(out / "model.safetensors.index.json")
+    assert killed_midway >= 2  # the kills really landed mid-conversion
+
+
+def test_small_real_filesystem_is_refused_before_writing(make_ckpt, tmp_path):
+    """A 1 MiB tmpfs (root only: CI runs as root) cannot hold the output: the preflight says so."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
+    try:
+        src = make_ckpt(hidden=256, inter=128, n_experts=8, n_layers=4)
+        with pytest.raises(MoetError, match=r"needs \d+\.\d+ GB free.*found 0\.00 GB"):
+            convert.convert(src, mnt / "out", progress=False)
+        assert not (mnt / "out" / "config.json").exists()
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
