@@ -166,6 +166,12 @@ def quantize_f64(
 # --- the fast path on encoded sources -----------------------------------------------------------
 
 
+def _max_last(a: np.ndarray) -> np.ndarray:
+    """max over a short last axis: numpy reduces a contiguous leading axis about twice as fast
+    as many short trailing ones, even counting the transposing copy."""
+    return np.maximum.reduce(np.ascontiguousarray(np.moveaxis(a, -1, 0)), axis=0)
+
+
 def _unit(enc: Encoded) -> int:
     """Width of the unit over which the source scale is constant and which tiles a 32-block."""
     g = enc.group
@@ -259,7 +265,7 @@ def quantize(
         mag, neg = src.rows(r0, r1)
         rows = r1 - r0
         umag = mag.reshape(rows, k // unit, unit)
-        umax = umag.max(-1)
+        umax = _max_last(umag)
         if int(umax.max(initial=0)) >= src.n_finite:
             check_finite_codes(src, mag, r0)
         scale = None if unit_scales is None else unit_scales[r0:r1]
