@@ -37,6 +37,8 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     sys.exit("check_recipes: the 'packaging' distribution is required (pip install packaging)")
 
+from check_versions import table  # noqa: E402  (ci/ is on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parent.parent
 META = "moet"
 # PyPI name -> conda-forge name, where they differ.
@@ -283,15 +285,6 @@ def _valid(raw: str) -> bool:
     except InvalidRequirement:
         return False
     return True
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def main(root: Path = ROOT) -> int:
