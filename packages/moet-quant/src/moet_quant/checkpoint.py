@@ -395,11 +395,8 @@ class Checkpoint:
 
                     def fp4x(e=e, proj=proj):
                         b, s = rows_of(e, proj)
-                        nib, sc = formats.mxfp4_parts(b, s, f"{base}[{e}].{proj}")
-                        return {
-                            "codes": np.ascontiguousarray(b.reshape(b.shape[0], -1)),
-                            "scales": sc,
-                        }
+                        codes, sc = formats.check_mxfp4(b, s, f"{base}[{e}].{proj}")
+                        return {"codes": codes, "scales": sc}
 
                     out.append(
                         ProjectionSource(

@@ -29,6 +29,7 @@ import numpy as np
 from . import __version__, fp4, w2
 from .checkpoint import Checkpoint, ProjectionSource, open_checkpoint
 from .errors import CheckpointError, MoetError
+from .numerics import unpack_nibbles
 from .progress import progress_bar
 from .safetensors_io import OutTensor, fsync_dir, planned_size, write_safetensors
 
@@ -166,8 +167,6 @@ def _quantize_projection(src: ProjectionSource, opts: ConvertOptions) -> list[np
     if opts.mode == "reference" and src.fmt == "mxfp4":
         # FP4 sources with UE8M0 block-32 scales map nibble -> code directly (scales verbatim)
         x = src.fp4x()
-        from .numerics import unpack_nibbles
-
         base = w2.from_fp4_nibbles(
             unpack_nibbles(x["codes"]), x["scales"], opts.zero_mode, src.name
         )

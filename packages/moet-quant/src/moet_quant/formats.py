@@ -24,7 +24,6 @@ from .numerics import (
     bf16_bits_to_f64,
     e4m3_to_f64,
     ue8m0_to_f64,
-    unpack_nibbles,
 )
 
 BF16_MAGNITUDES = bf16_bits_to_f64(np.arange(0x8000, dtype=np.uint16))  # inf at 0x7f80, NaN above
@@ -251,9 +250,9 @@ def from_nvfp4(
     return Encoded(packed, _split_packed(_E2M1_LUTS, k), k, E2M1_MAGNITUDES, 8, s, 16, name)
 
 
-def mxfp4_parts(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor"):
+def check_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor"):
     """MXFP4 (OCP MX): e2m1 nibbles [N, K/2] (or gpt-oss [N, K/32, 16]), UE8M0 scales [N, K/32].
-    Returns (nibbles [N, K] uint8, scale bytes [N, K/32] uint8) after validation."""
+    Returns the validated (packed nibbles uint8 [N, K/2], scale bytes uint8 [N, K/32])."""
     if blocks.ndim == 3:
         blocks = blocks.reshape(blocks.shape[0], -1)
     _need_2d(blocks, name)
@@ -266,24 +265,14 @@ def mxfp4_parts(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor"):
         )
     if (scales == 255).any():
         raise FormatError(f"tensor {name!r}: MXFP4 scale byte 255 (NaN); the checkpoint is corrupt")
-    return unpack_nibbles(np.ascontiguousarray(blocks, dtype=np.uint8)), np.ascontiguousarray(
-        scales
-    )
+    return np.ascontiguousarray(blocks, dtype=np.uint8), np.ascontiguousarray(scales)
 
 
 def from_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> Encoded:
-    nib, sc = mxfp4_parts(blocks, scales, name)
-    packed = np.ascontiguousarray(blocks.reshape(blocks.shape[0], -1), dtype=np.uint8)
-    return Encoded(
-        packed,
-        _split_packed(_E2M1_LUTS, nib.shape[1]),
-        nib.shape[1],
-        E2M1_MAGNITUDES,
-        8,
-        ue8m0_to_f64(sc),
-        32,
-        name,
-    )
+    packed, sc = check_mxfp4(blocks, scales, name)
+    k = 2 * packed.shape[1]
+    split = _split_packed(_E2M1_LUTS, k)
+    return Encoded(packed, split, k, E2M1_MAGNITUDES, 8, ue8m0_to_f64(sc), 32, name)
 
 
 # --- compressed-tensors int4 pack-quantized -----------------------------------------------------
