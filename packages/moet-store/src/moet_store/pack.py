@@ -499,8 +499,8 @@ def prune(
             for suffix in (".json", ".heat.json", ""):
                 with contextlib.suppress(FileNotFoundError):
                     path.with_name(path.name + suffix).unlink()
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
+            # the empty lock file stays: unlinking it would let a writer that opened it a moment
+            # ago hold a lock on an inode that a later writer no longer sees
         finally:
             os.close(fd)
         total -= p["bytes"]
