@@ -99,20 +99,9 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def _store_report(path: str | None) -> str:
-    try:
-        import moet_store
-    except ImportError as exc:
-        return f"store: moet-store is not importable ({exc}); pip install moet-store"
-    doctor = getattr(moet_store, "doctor", None)
-    fmt = getattr(moet_store, "format_doctor", None)
-    if doctor is None or fmt is None:
-        return (
-            f"store: moet-store {getattr(moet_store, '__version__', '?')} has no "
-            "doctor()/format_doctor(); upgrade moet-store"
-        )
-    lines = str(fmt(doctor(path))).rstrip("\n").splitlines() or ["(empty report)"]
-    if len(lines) == 1:
-        return f"store: {lines[0]}"
+    import moet_store
+
+    lines = moet_store.format_doctor(moet_store.doctor(path)).rstrip("\n").splitlines()
     return "\n".join(["store:", *("  " + line for line in lines)])
 
 
