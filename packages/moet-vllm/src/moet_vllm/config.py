@@ -1,0 +1,198 @@
+"""`MoetConfig`: the one typed configuration of the plugin (design.md, Residency: Configuration).
+
+Precedence, lowest first: the checkpoint's `quantization_config` < vLLM's `--additional-config`
+(`{"moet": {...}}`) < `MOET_*` environment variables. Every field below that users may set is
+documented in docs/vllm.md, and every `MOET_*` variable is a field (a test holds both). Unknown
+keys, bad values and impossible combinations are `MoetConfigError`s at boot, naming the key, the
+value found, what is allowed and where it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from moet_quant import w2
+from moet_quant.convert import FP4_TIERS
+
+from .compat import MoetVllmError
+
+ENV_PREFIX = "MOET_"
+
+
+class MoetConfigError(MoetVllmError):
+    """A configuration key, value or combination that moet cannot serve with."""
+
+
+@dataclass(frozen=True)
+class MoetConfig:
+    # -- what the experts are (from a moet checkpoint's quantization_config, or the defaults used
+    #    when an official checkpoint is re-quantized at load) --
+    format: str = w2.FORMAT
+    zero_mode: str = "auto"
+    mode: str = "reference"
+    fp4_tier: str = "none"
+    # -- how they are computed and cached --
+    compute: str = "auto"  # auto: CUDA kernels when available, else the exact torch reference
+    pack_cache: bool = True  # persistent quantization cache (moet-store packs)
+    cache_dir: str | None = None  # default: $XDG_CACHE_HOME/moet
+    # -- checkpoint metadata (read from the checkpoint, never set by users) --
+    modules_not_converted: tuple[str, ...] = ()
+    source_format: str | None = None
+    source_ckpt_id: str | None = None
+    source_quantization_config: Mapping[str, Any] | None = field(default=None, compare=False)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # field -> origin
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "format": (w2.FORMAT,),
+    "zero_mode": w2.ZERO_MODES,
+    "mode": w2.MODES,
+    "fp4_tier": FP4_TIERS,
+    "compute": ("auto", "exact", "kernel"),
+}
+USER_FIELDS = ("zero_mode", "mode", "fp4_tier", "compute", "pack_cache", "cache_dir")
+CHECKPOINT_FIELDS = USER_FIELDS + (
+    "format",
+    "modules_not_converted",
+    "source_format",
+    "source_ckpt_id",
+    "source_quantization_config",
+)
+# keys a moet checkpoint's quantization_config carries that are not MoetConfig fields
+CHECKPOINT_ONLY_KEYS = ("quant_method", "block_size", "moet_quant_version")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _coerce(name: str, value: Any, origin: str) -> Any:
+    def bad(expected: str) -> MoetConfigError:
+        return MoetConfigError(f"{origin}: {name}={value!r} is not valid; expected {expected}")
+
+    if name in CHOICES:
+        if value not in CHOICES[name]:
+            raise bad(f"one of {', '.join(CHOICES[name])}")
+        return value
+    if name == "pack_cache":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise bad("a boolean (1/0, true/false)")
+    if name == "cache_dir":
+        if value is None or (isinstance(value, str) and value):
+            return value
+        raise bad("a directory path")
+    if name == "modules_not_converted":
+        if not isinstance(value, list | tuple) or not all(isinstance(m, str) for m in value):
+            raise bad("a list of module names")
+        return tuple(value)
+    if name in ("source_format", "source_ckpt_id"):
+        if value is None or isinstance(value, str):
+            return value
+        raise bad("a string")
+    if name == "source_quantization_config":
+        if value is None or isinstance(value, dict):
+            return value
+        raise bad("an object")
+    raise AssertionError(name)
+
+
+def _apply(
+    values: dict,
+    origins: dict,
+    layer: Mapping[str, Any],
+    allowed: tuple[str, ...],
+    ignored: tuple[str, ...],
+    origin: str,
+) -> None:
+    unknown = sorted(set(layer) - set(allowed) - set(ignored))
+    if unknown:
+        raise MoetConfigError(
+            f"{origin}: unknown key(s) {', '.join(unknown)}; known keys: {', '.join(allowed)}"
+        )
+    for key in allowed:
+        if key in layer:
+            values[key] = _coerce(key, layer[key], origin)
+            origins[key] = origin
+
+
+def resolve(
+    checkpoint_qc: Mapping[str, Any] | None = None,
+    additional_config: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> MoetConfig:
+    """Build the MoetConfig from its three sources (lowest precedence first) and validate it."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    if checkpoint_qc:
+        if checkpoint_qc.get("quant_method") not in (None, "moet"):
+            raise MoetConfigError(
+                f"checkpoint quantization_config: quant_method "
+                f"{checkpoint_qc.get('quant_method')!r} is not 'moet'"
+            )
+        if checkpoint_qc.get("block_size", w2.BLOCK) != w2.BLOCK:
+            raise MoetConfigError(
+                f"checkpoint quantization_config: block_size="
+                f"{checkpoint_qc['block_size']!r}; this moet serves block "
+                f"size {w2.BLOCK} only: reconvert the checkpoint"
+            )
+        _apply(
+            values,
+            origins,
+            checkpoint_qc,
+            CHECKPOINT_FIELDS,
+            CHECKPOINT_ONLY_KEYS,
+            "checkpoint quantization_config",
+        )
+    moet_extra = (additional_config or {}).get("moet")
+    if moet_extra is not None:
+        if not isinstance(moet_extra, Mapping):
+            raise MoetConfigError(
+                f"--additional-config: 'moet' must be an object of settings, "
+                f"found {type(moet_extra).__name__}"
+            )
+        _apply(values, origins, moet_extra, USER_FIELDS, (), "--additional-config moet")
+    env = {k[len(ENV_PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    unknown = sorted(env_name(k) for k in env if k not in USER_FIELDS)
+    if unknown:
+        raise MoetConfigError(
+            f"environment: unknown variable(s) {', '.join(unknown)}; known: "
+            f"{', '.join(env_name(f) for f in USER_FIELDS)}"
+        )
+    for key, value in env.items():
+        values[key] = _coerce(key, value, f"environment {env_name(key)}")
+        origins[key] = f"environment {env_name(key)}"
+    cfg = MoetConfig(**values, sources=origins)
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: MoetConfig) -> None:
+    if cfg.compute == "kernel":
+        from moet_kernels.loader import kernels_available
+
+        ok, reason = kernels_available()
+        if not ok:
+            raise MoetConfigError(
+                f"{cfg.sources.get('compute', 'config')}: compute='kernel' but "
+                f"the GPU kernels are unavailable ({reason}); use compute='auto' "
+                "or 'exact'"
+            )
+    if cfg.mode == "optimal" and cfg.format != w2.FORMAT:
+        raise MoetConfigError(f"mode 'optimal' needs format {w2.FORMAT}, found {cfg.format}")
+
+
+def describe() -> list[tuple[str, str, str]]:
+    """(field, MOET_* variable, default) for every user-settable field: the docs table's rows."""
+    defaults = {f.name: f.default for f in dataclasses.fields(MoetConfig)}
+    return [(name, env_name(name), repr(defaults[name])) for name in USER_FIELDS]
