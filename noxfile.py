@@ -148,9 +148,11 @@ def ci(session: nox.Session) -> None:
 @nox.session(python=False)
 @nox.parametrize("what", ["quant", "store"], ids=["quant", "store"])
 def bench(session: nox.Session, what: str) -> None:
-    """Benchmarks (not timed tests): ratios against a baseline of the same run, JSON under
-    bench/results/<what>/. quant: re-quantization MB/s per core vs a cold read; store: see
-    packages/moet-store/README.md."""
+    """Benchmarks, not timed tests: ratios to a baseline of the same run; JSON in bench/results/.
+
+    quant: re-quantization MB/s per core vs the float64 spec and a cold read; store: arena hits,
+    page-cache misses vs memcpy, O_DIRECT vs dd, pinned H2D (packages/moet-store/README.md).
+    """
     session.run("python", f"bench/{what}.py", *session.posargs)
 
 
