@@ -1,0 +1,123 @@
+"""The persistent quantization cache: a model's W2 expert rows in moet-store packs.
+
+The first boot quantizes experts and writes each MoE layer's rows (one row per expert of this
+rank, `moet_kernels.layout.RowLayout`); later boots read them and skip re-quantization. A pack is
+keyed by an identity that changes with the checkpoint (`ckpt_id`), the format, layout and row
+sections (the ABI string), the quantizer's settings and the TP size, so a stale pack is never
+served (moet-store rebuilds it). When the cache cannot be used (disabled, an unresolvable
+checkpoint identity, an unwritable or full directory) the model still serves, re-quantizing,
+with one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+from moet_kernels.layout import LAYOUT_ID, RowLayout
+
+import moet_store
+
+from .config import MoetConfig
+
+log = logging.getLogger(__name__)
+TAG = "w2"
+
+
+def abi_string(cfg: MoetConfig, layout: RowLayout) -> str:
+    """`<format>+<layout>+<row sections>` (design.md, Identity and ABI)."""
+    return f"{cfg.format}+{LAYOUT_ID}+{layout.spec}"
+
+
+class ExpertPackCache:
+    def __init__(
+        self,
+        cfg: MoetConfig,
+        ckpt_id: str | None,
+        layout: RowLayout,
+        n_layers: int,
+        n_experts: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+    ):
+        self.layout = layout
+        self.directory = Path(cfg.cache_dir) if cfg.cache_dir else moet_store.default_cache_dir()
+        identity = {
+            "ckpt_id": ckpt_id,
+            "abi": abi_string(cfg, layout),
+            "zero_mode": cfg.zero_mode,
+            "mode": cfg.mode,
+            "tp_size": tp_size,
+        }
+        self.spec = moet_store.PackSpec(
+            TAG, tp_rank, pp_rank, n_layers, n_experts, layout.row_bytes, identity
+        )
+        self.reason = "enabled"
+        if not cfg.pack_cache:
+            self.reason = f"disabled ({cfg.sources.get('pack_cache', 'config')})"
+        elif ckpt_id is None:
+            self.reason = "disabled: the checkpoint's identity cannot be resolved"
+        self.enabled = self.reason == "enabled"
+        self._writer: moet_store.PackWriter | None = None
+        self._store: moet_store.Store | None = None
+        self._cached: set[int] | None = None
+
+    def _disable(self, why: str) -> None:
+        if self.enabled:
+            log.warning(
+                "moet: expert pack cache off for this boot: %s; serving without it "
+                "(experts are re-quantized at every boot)",
+                why,
+            )
+        self.enabled = False
+        self.reason = f"disabled: {why}"
+
+    def cached_layers(self) -> set[int]:
+        """Layers whose rows are in a valid pack (read once: packs are read-only after boot)."""
+        if not self.enabled:
+            return set()
+        if self._cached is None:
+            try:
+                self._cached = set(moet_store.read_sidecar(self.directory, self.spec))
+            except (ValueError, OSError):  # missing, stale or foreign: nothing is cached
+                self._cached = set()
+        return self._cached
+
+    def read_layer(self, layer: int) -> dict[str, np.ndarray] | None:
+        """This rank's four expert sections of `layer` [E, ...] (copies), or None if not cached."""
+        if not self.enabled or layer not in self.cached_layers():
+            return None
+        try:
+            if self._store is None:
+                self._store = moet_store.open_store(
+                    self.directory,
+                    self.spec,
+                    backend="pagecache",
+                    stage_bytes=self.spec.stride * self.spec.n_experts,
+                )
+            keys = [(layer, e) for e in range(self.spec.n_experts)]
+            with self._store.fetch(keys) as batch:
+                rows = np.stack([np.frombuffer(v, dtype=np.uint8) for v in batch.views])
+                return {k: v.copy() for k, v in self.layout.unpack(rows).items()}
+        except (OSError, moet_store.StoreError) as e:
+            log.warning("moet: cached experts of layer %d unreadable (%s); re-quantizing", layer, e)
+            return None
+
+    def write_layer(self, layer: int, sections: dict[str, np.ndarray]) -> None:
+        if not self.enabled:
+            return
+        try:
+            if self._writer is None:
+                self._writer = moet_store.open_pack_for_write(self.directory, self.spec)
+            self._writer.write_layer(layer, self.layout.pack(**sections))
+            self.cached_layers().add(layer)
+        except OSError as e:  # moet_store.StoreError is an OSError: unwritable, full, ...
+            self._disable(str(e))
+
+    def close(self) -> None:
+        for handle in (self._writer, self._store):
+            if handle is not None:
+                handle.close()
+        self._writer = self._store = None

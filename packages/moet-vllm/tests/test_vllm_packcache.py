@@ -1,0 +1,96 @@
+"""The persistent quantization cache over real moet-store packs."""
+
+import logging
+
+import numpy as np
+import pytest
+from moet_kernels.layout import RowLayout
+
+from moet_vllm.config import resolve
+from moet_vllm.packcache import ExpertPackCache
+
+
+def sections(layout, n_experts, seed):
+    rng = np.random.default_rng(seed)
+    return {
+        n: rng.integers(0, 256, size=(n_experts, *s), dtype=np.uint8)
+        for n, (_, s) in layout.sections.items()
+    }
+
+
+@pytest.fixture
+def cfg(tmp_path):
+    return resolve(None, None, {"MOET_CACHE_DIR": str(tmp_path / "cache")})
+
+
+def test_round_trip_across_boots(cfg):
+    lay = RowLayout(64, 32)
+    first = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=3, n_experts=4)
+    assert first.enabled and first.cached_layers() == set()
+    data = {layer: sections(lay, 4, layer) for layer in range(3)}
+    for layer, secs in data.items():
+        assert first.read_layer(layer) is None
+        first.write_layer(layer, secs)
+    first.close()
+    again = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=3, n_experts=4)  # the next boot
+    assert again.cached_layers() == {0, 1, 2}
+    for layer, secs in data.items():
+        got = again.read_layer(layer)
+        assert all(np.array_equal(got[k], v) for k, v in secs.items())
+    again.close()
+
+
+@pytest.mark.parametrize("change", ["ckpt", "zero_mode", "tp_size", "geometry"])
+def test_any_identity_change_misses(cfg, change):
+    lay = RowLayout(64, 32)
+    c = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=1, n_experts=4)
+    c.write_layer(0, sections(lay, 4, 0))
+    c.close()
+    kw = dict(cfg=cfg, ckpt_id="ckpt-a", layout=lay, n_layers=1, n_experts=4)
+    if change == "ckpt":
+        kw["ckpt_id"] = "ckpt-b"
+    elif change == "zero_mode":
+        kw["cfg"] = resolve(None, None, {"MOET_CACHE_DIR": cfg.cache_dir, "MOET_ZERO_MODE": "alt"})
+    elif change == "tp_size":
+        kw["tp_size"] = 2
+    else:
+        kw["layout"] = RowLayout(64, 64)
+    assert ExpertPackCache(**kw).read_layer(0) is None
+
+
+def test_disabled_and_unresolvable_identity(cfg, tmp_path):
+    lay = RowLayout(64, 32)
+    off = resolve(None, None, {"MOET_CACHE_DIR": str(tmp_path), "MOET_PACK_CACHE": "0"})
+    c = ExpertPackCache(off, "x", lay, 1, 4)
+    assert not c.enabled and "MOET_PACK_CACHE" in c.reason
+    c.write_layer(0, sections(lay, 4, 0))
+    assert not list(tmp_path.glob("*.pack"))
+    c = ExpertPackCache(cfg, None, lay, 1, 4)
+    assert not c.enabled and "identity" in c.reason
+
+
+def test_unwritable_cache_dir_serves_without_the_cache_and_warns_once(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cfg = resolve(None, None, {"MOET_CACHE_DIR": str(blocker / "cache")})
+    lay = RowLayout(64, 32)
+    c = ExpertPackCache(cfg, "ckpt-a", lay, 2, 4)
+    with caplog.at_level(logging.WARNING):
+        c.write_layer(0, sections(lay, 4, 0))
+        c.write_layer(1, sections(lay, 4, 1))
+    assert not c.enabled and c.read_layer(0) is None
+    warnings = [r for r in caplog.records if "pack cache off" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_corrupt_pack_is_never_served(cfg):
+    lay = RowLayout(64, 32)
+    c = ExpertPackCache(cfg, "ckpt-a", lay, 1, 4)
+    c.write_layer(0, sections(lay, 4, 0))
+    c.close()
+    pack = next(p for p in (c.directory).glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    data[100] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    again = ExpertPackCache(cfg, "ckpt-a", lay, 1, 4)
+    assert again.read_layer(0) is None  # checksum mismatch: re-quantize instead
