@@ -4,8 +4,8 @@ import logging
 
 import numpy as np
 import pytest
-from moet_kernels.layout import RowLayout
 
+from moet_kernels.layout import RowLayout
 from moet_vllm.config import resolve
 from moet_vllm.packcache import ExpertPackCache
 

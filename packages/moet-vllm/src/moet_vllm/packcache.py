@@ -15,9 +15,9 @@ import logging
 from pathlib import Path
 
 import numpy as np
-from moet_kernels.layout import LAYOUT_ID, RowLayout
 
 import moet_store
+from moet_kernels.layout import LAYOUT_ID, RowLayout
 
 from .config import MoetConfig
 
