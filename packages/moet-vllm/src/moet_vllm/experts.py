@@ -1,0 +1,233 @@
+"""A MoE layer's experts as this rank's W2 sections, from any checkpoint, one layer at a time.
+
+`ExpertSource.open(path, cfg)` reads either a moet checkpoint (its `.w2_codes` / `.w2_scales`
+tensors) or an official one, re-quantized exactly by moet-quant (bf16/fp16/fp32, FP8 block in both
+layouts, NVFP4, MXFP4, INT4). `layer(model_layer)` returns the four sections of
+`moet_kernels.layout.RowLayout` for every expert, sharded for tensor parallelism along the expert
+intermediate dimension: w13 (gate over up) takes rows, w2 (down) takes columns of K. Peak memory is
+one layer of this rank's W2 data plus one source projection.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import numpy as np
+
+from moet_kernels.layout import RowLayout
+from moet_quant import w2
+from moet_quant.arch import family_for
+from moet_quant.checkpoint import (
+    Checkpoint,
+    checkpoint_identity,
+    ckpt_id,
+    read_config,
+    text_config,
+)
+from moet_quant.convert import verify_complete
+from moet_quant.safetensors_io import ShardedSafetensors
+
+from .compat import MoetVllmError
+from .config import MoetConfig
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def shard_w2(t: w2.W2Tensor, proj: str, tp_rank: int, tp_size: int, where: str) -> w2.W2Tensor:
+    """This rank's part of one projection: gate/up rows [I/tp], down columns [I/tp] of K."""
+    if tp_size == 1:
+        return t
+    n, k = t.shape
+    if proj == "down":
+        if (k // tp_size) % w2.BLOCK or k % tp_size:
+            raise MoetVllmError(
+                f"{where}: intermediate size {k} split {tp_size} ways is not a "
+                f"multiple of {w2.BLOCK} per rank; use a tensor-parallel size "
+                f"that divides {k // w2.BLOCK} blocks"
+            )
+        c, s = k // tp_size // 4, k // tp_size // w2.BLOCK
+        return w2.W2Tensor(
+            t.codes[:, tp_rank * c : (tp_rank + 1) * c],
+            t.scales[:, tp_rank * s : (tp_rank + 1) * s],
+        )
+    if n % tp_size:
+        raise MoetVllmError(f"{where}: intermediate size {n} does not split {tp_size} ways")
+    r = n // tp_size
+    return w2.W2Tensor(
+        t.codes[tp_rank * r : (tp_rank + 1) * r], t.scales[tp_rank * r : (tp_rank + 1) * r]
+    )
+
+
+def stack_sections(per_expert: list[dict[str, w2.W2Tensor]]) -> dict[str, np.ndarray]:
+    """[{gate, up, down} per expert] -> RowLayout sections [E, ...]."""
+
+    def cat(proj_a: str, proj_b: str | None, part: str) -> np.ndarray:
+        parts = [
+            getattr(p[proj_a], part)
+            if proj_b is None
+            else np.concatenate([getattr(p[proj_a], part), getattr(p[proj_b], part)])
+            for p in per_expert
+        ]
+        return np.ascontiguousarray(np.stack(parts))
+
+    return {
+        "w13_codes": cat("gate", "up", "codes"),
+        "w13_scales": cat("gate", "up", "scales"),
+        "w2_codes": cat("down", None, "codes"),
+        "w2_scales": cat("down", None, "scales"),
+    }
+
+
+class ExpertSource(ABC):
+    """Where a model's routed experts come from; see the module doc."""
+
+    kind = "?"
+
+    def __init__(self, path: Path, cfg: MoetConfig, tp_rank: int, tp_size: int):
+        self.path, self.cfg, self.tp_rank, self.tp_size = path, cfg, tp_rank, tp_size
+        self.config = read_config(path)
+        tc = text_config(self.config)
+        self.n_experts: int = 0
+        self.hidden: int = 0
+        self.inter: int = 0
+        self.moe_layers: list[int] = []
+        self.ckpt_id: str | None = None
+        self._tc = tc
+
+    @staticmethod
+    def open(path: str | Path, cfg: MoetConfig, tp_rank: int = 0, tp_size: int = 1) -> ExpertSource:
+        path = Path(path)
+        qc = read_config(path).get("quantization_config") or {}
+        cls = MoetCheckpointSource if qc.get("quant_method") == "moet" else OfficialSource
+        return cls(path, cfg, tp_rank, tp_size)
+
+    @property
+    def layout(self) -> RowLayout:
+        return RowLayout(self.hidden, self.inter // self.tp_size)
+
+    @abstractmethod
+    def layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        """The RowLayout sections [E, ...] of one MoE layer (by the model's layer index)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the checkpoint's files."""
+
+
+class OfficialSource(ExpertSource):
+    """An official checkpoint: every expert projection re-quantized exactly by moet-quant."""
+
+    kind = "re-quantized at load"
+
+    def __init__(self, path: Path, cfg: MoetConfig, tp_rank: int, tp_size: int):
+        super().__init__(path, cfg, tp_rank, tp_size)
+        self.ck = Checkpoint(path)
+        info = self.ck.info
+        self.n_experts, self.hidden = info.n_experts, info.hidden_size
+        self.inter, self.moe_layers = info.moe_intermediate_size, info.moe_layers
+        self.ckpt_id = info.ckpt_id
+        self.source_format = info.source_format
+        self._by_layer: dict[int, dict[tuple[int, str], object]] = {}
+        for s in self.ck.sources:
+            self._by_layer.setdefault(s.key.layer, {})[(s.key.expert, s.key.proj)] = s
+
+    def layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        srcs = self._by_layer.get(model_layer)
+        if srcs is None:
+            raise MoetVllmError(
+                f"{self.path}: layer {model_layer} has no routed experts "
+                f"(MoE layers: {self.moe_layers})"
+            )
+        per_expert = []
+        for e in range(self.n_experts):
+            q = {}
+            for proj in PROJECTIONS:
+                s = srcs[(e, proj)]
+                t = w2.quantize(s.load(), self.cfg.zero_mode, self.cfg.mode, name=s.name)
+                q[proj] = shard_w2(t, proj, self.tp_rank, self.tp_size, s.name)
+            per_expert.append(q)
+        return stack_sections(per_expert)
+
+    def close(self) -> None:
+        self.ck.close()
+
+
+class MoetCheckpointSource(ExpertSource):
+    """A moet checkpoint (`moet convert`): the W2 tensors are read as they are."""
+
+    kind = "moet checkpoint"
+
+    def __init__(self, path: Path, cfg: MoetConfig, tp_rank: int, tp_size: int):
+        super().__init__(path, cfg, tp_rank, tp_size)
+        verify_complete(path)
+        family_for(self._tc, str(path / "config.json"))
+        self.st = ShardedSafetensors(path)
+        self.ckpt_id = ckpt_id(checkpoint_identity(path))
+        self.source_format = "moet"
+        self._names: dict[int, dict[tuple[int, str], str]] = {}
+        pat = re.compile(
+            r"^(?P<moe>.*layers\.(?P<layer>\d+)\.\w+)\.experts\.(?P<e>\d+)\."
+            r"(?P<proj>gate|up|down)_proj\.w2_codes$"
+        )
+        for name in self.st.names():
+            m = pat.match(name)
+            if m:
+                base = name[: -len(".w2_codes")]
+                self._names.setdefault(int(m["layer"]), {})[(int(m["e"]), m["proj"])] = base
+        if not self._names:
+            raise MoetVllmError(
+                f"{path}: a moet checkpoint without any '.w2_codes' expert "
+                "tensors; reconvert it with `moet convert`"
+            )
+        self.moe_layers = sorted(self._names)
+        first = self._names[self.moe_layers[0]]
+        self.n_experts = 1 + max(e for e, _ in first)
+        gate = self.st.info(first[(0, "gate")] + ".w2_codes").shape
+        self.inter, self.hidden = gate[0], gate[1] * 4
+
+    def layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        names = self._names.get(model_layer)
+        if names is None:
+            raise MoetVllmError(
+                f"{self.path}: layer {model_layer} has no W2 experts "
+                f"(MoE layers: {self.moe_layers})"
+            )
+        expect = {
+            "gate": (self.inter, self.hidden),
+            "up": (self.inter, self.hidden),
+            "down": (self.hidden, self.inter),
+        }
+        per_expert = []
+        for e in range(self.n_experts):
+            q = {}
+            for proj in PROJECTIONS:
+                base = names.get((e, proj))
+                if base is None:
+                    raise MoetVllmError(
+                        f"{self.path}: layer {model_layer} expert {e} has no "
+                        f"{proj}_proj W2 tensors; the checkpoint is incomplete"
+                    )
+                n, k = expect[proj]
+                codes, scales = (
+                    self.st.array(base + ".w2_codes"),
+                    self.st.array(base + ".w2_scales"),
+                )
+                if codes.shape != (n, k // 4) or scales.shape != (n, k // 32):
+                    raise MoetVllmError(
+                        f"{self.path}: {base}: w2_codes {list(codes.shape)} / "
+                        f"w2_scales {list(scales.shape)}, expected "
+                        f"{[n, k // 4]} / {[n, k // 32]}"
+                    )
+                q[proj] = shard_w2(
+                    w2.W2Tensor(codes, scales), proj, self.tp_rank, self.tp_size, base
+                )
+            per_expert.append(q)
+        return stack_sections(per_expert)
+
+    def close(self) -> None:
+        self.st.close()
+
+
+__all__ = ["ExpertSource", "MoetCheckpointSource", "OfficialSource", "shard_w2", "stack_sections"]
