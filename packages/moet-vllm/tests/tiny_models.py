@@ -13,10 +13,13 @@ Architectures (`ARCHS`):
   layers 1-2 MoE with a shared expert, sigmoid routing with e_score_correction_bias, partial RoPE
   (0.5), q/k/v bias, and one MTP layer (num_nextn_predict_layers=1) at
   ``model.layers.{num_hidden_layers}``. transformers' class has no MTP module (it reports those
-  tensors as unexpected); the names are the ones vLLM's Glm4MoeMTP loads (`MTP_EXTRA`).
-* ``deepseek_v3`` DeepseekV3ForCausalLM: MLA (q_lora_rank 64, kv_lora_rank 256 + rope 64 = 320,
-  which vLLM's CPU MLA backend accepts), layer 0 dense, 16 routed experts + 1 shared, top-4,
-  noaux_tc grouped routing (4 groups, top-2 groups) with e_score_correction_bias.
+  tensors as unexpected); the names are the ones vLLM's Glm4MoeMTP loads (`MTP_EXTRA`, plus the
+  decoder layer's own names), and its shared_head.head is a copy of lm_head as in GLM-4.5.
+* ``deepseek_v3`` DeepseekV3ForCausalLM: MLA (q_lora_rank 64, kv_lora_rank 512 + rope 64 = 576,
+  DeepSeek-V3's own latent width: the only one both vLLM CPU MLA backends take, AMX_MLA (bf16
+  weights only) and the reference CPU_MLA (any dtype; `attention_config={"backend": "CPU_MLA"}`)),
+  layer 0 dense, 16 routed experts + 1 shared, top-4, noaux_tc grouped routing (4 groups, top-2
+  groups) with e_score_correction_bias.
 * ``mixtral``     MixtralForCausalLM: 2 layers, 8 experts, top-2 (``block_sparse_moe.experts.<e>.w1``).
 
 Every MoE K dimension (hidden 128, expert intermediate 64/128) is a multiple of 32 (moet's W2
@@ -164,7 +167,7 @@ CONFIGS: dict[str, dict] = {
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "q_lora_rank": 64,
-        "kv_lora_rank": 256,
+        "kv_lora_rank": 512,
         "qk_nope_head_dim": 64,
         "qk_rope_head_dim": 64,
         "v_head_dim": 64,
@@ -217,7 +220,8 @@ EXPECTED = {
 
 # --- tensor specs --------------------------------------------------------------------------------
 # (name, shape, kind): kind "linear" [out, in] ~ N(0, 1/in); "embed" ~ N(0, 1); "norm" ~ 1 + N(0,
-# 0.05^2); "bias" ~ N(0, 0.02^2); "router_bias" float32 ~ N(0, 0.1^2).
+# 0.05^2); "bias" ~ N(0, 0.02^2); "router_bias" float32 ~ N(0, 0.1^2); "copy:<name>" a copy of an
+# earlier tensor (the MTP layer's shared_head.head is the model's lm_head, as in GLM-4.5).
 
 Spec = list[tuple[str, tuple[int, ...], str]]
 
@@ -328,7 +332,7 @@ def tensor_spec(arch: str) -> Spec:
             _norm(f"{p}.hnorm.weight", h),
             (f"{p}.eh_proj.weight", (h, 2 * h), "linear"),
             _norm(f"{p}.shared_head.norm.weight", h),
-            (f"{p}.shared_head.head.weight", (v, h), "linear"),
+            (f"{p}.shared_head.head.weight", (v, h), "copy:lm_head.weight"),
         ]
         out += _layer(arch, c, i)
     return out
@@ -338,6 +342,9 @@ def make_tensors(arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape, kind in tensor_spec(arch):
+        if kind.startswith("copy:"):
+            tensors[name] = tensors[kind[len("copy:") :]].clone()
+            continue
         x = torch.randn(shape, generator=gen, dtype=torch.float32)
         if kind == "linear":
             x = x * shape[1] ** -0.5
@@ -442,6 +449,11 @@ def _write_into(d: Path, arch: str, seed: int) -> None:
     )
     write_tokenizer(d)
     _write_json(d / MARKER, marker(arch, seed))  # last: the directory is complete
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for f in d.iterdir():
+        f.chmod(0o666 & ~umask)
+    d.chmod(0o777 & ~umask)  # mkdtemp made it private
 
 
 def write_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:

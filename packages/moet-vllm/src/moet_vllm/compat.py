@@ -70,3 +70,62 @@ __all__ = [
     "installed_vllm_version",
     "is_supported",
 ]
+
+
+# --- touch points inside vLLM (each listed here, nowhere else) ----------------------------------
+#
+# 1. `register_quantization_config` registers the "moet" method (public API).
+# 2. `RoutedExperts._load_w13/_load_w2/_map_global_expert_id_to_local_expert_id`: the layer's own
+#    TP-aware copy helpers, reused by the W2 parameters' weight loader (private API, 0.32).
+# 3. `weight_utils.should_skip_weight`: wrapped so that, when moet re-quantizes an official
+#    checkpoint's experts itself, vLLM skips those tensors before reading them from disk
+#    (the hook vLLM uses to skip other ranks' experts under expert parallelism).
+
+_skip_expert_tensors = False
+
+
+def skip_routed_expert_tensors(on: bool) -> None:
+    """Make vLLM's safetensors iterator skip every routed-expert tensor (moet reads them)."""
+    global _skip_expert_tensors
+    _skip_expert_tensors = on
+    from vllm.model_executor.model_loader import weight_utils
+
+    if getattr(weight_utils.should_skip_weight, "__moet__", False):
+        return
+    original = weight_utils.should_skip_weight
+
+    def should_skip_weight(name, local_expert_ids):
+        if _skip_expert_tensors and _is_routed_expert_tensor(name):
+            return True
+        return original(name, local_expert_ids)
+
+    should_skip_weight.__moet__ = True
+    weight_utils.should_skip_weight = should_skip_weight
+
+
+def _is_routed_expert_tensor(name: str) -> bool:
+    from moet_quant.arch import classify
+
+    key, suffix, _ = classify(name)
+    return key is not None or (suffix is not None and suffix != "_bias")
+
+
+def load_expert_shard(layer, param, loaded_weight, shard_id: str, expert_id: int) -> bool:
+    """Copy one checkpoint expert projection into `param` [E_local, ...] with vLLM's TP slicing:
+    w1/w3 (gate/up) rows into the first/second half of dim 1, w2 (down) sliced along K."""
+    local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+    if local == -1:
+        return False
+    data = param.data[local]
+    tp_rank = layer.moe_config.tp_rank
+    if shard_id == "w2":
+        layer._load_w2(expert_data=data, shard_dim=1, loaded_weight=loaded_weight, tp_rank=tp_rank)
+    else:
+        layer._load_w13(
+            expert_data=data,
+            shard_dim=0,
+            shard_id=shard_id,
+            loaded_weight=loaded_weight,
+            tp_rank=tp_rank,
+        )
+    return True

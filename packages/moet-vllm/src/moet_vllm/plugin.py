@@ -3,10 +3,11 @@
 vLLM calls every general plugin's function in each of its processes (API server, engine core,
 workers), possibly more than once, so `register()` is idempotent.
 
-What it does in this version: checks the installed vLLM against `compat.SUPPORTED` (raising
-`MoetVllmError` outside it) and logs one line. It registers nothing with vLLM yet: the "moet"
-quantization method, the MoE method and the worker hooks for miss/replay come with the vLLM plugin
-issue. Installing this version therefore changes nothing about how any model serves.
+What it does: checks the installed vLLM against `compat.SUPPORTED` (raising `MoetVllmError`
+outside it) and registers the "moet" quantization method (`vllm_method.MoetQuantConfig`). A model
+without a moet `quantization_config` and without `--quantization moet` never reaches moet code, so
+it serves exactly as without the plugin. The worker hooks for miss/replay come with tiered
+residency.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 
 from . import __version__, compat
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.moet")  # vLLM formats and shows its own namespace
 
 _lock = threading.Lock()
 _registered = False
@@ -34,9 +35,18 @@ def register() -> None:
         else:
             dist, version = found
             compat.check_vllm_version(version)
+            from vllm.model_executor.layers.quantization import (
+                QUANTIZATION_METHODS,
+                register_quantization_config,
+            )
+
+            from .vllm_method import MoetQuantConfig
+
+            if "moet" not in QUANTIZATION_METHODS:
+                register_quantization_config("moet")(MoetQuantConfig)
             logger.info(
-                "moet-vllm %s: loaded by %s %s (supported %s); no quantization method or hooks "
-                "are registered by this version",
+                "moet-vllm %s: loaded by %s %s (supported %s); quantization method 'moet' "
+                "registered",
                 __version__,
                 dist,
                 version,

@@ -1,0 +1,276 @@
+"""The "moet" quantization method inside vLLM: W2 routed experts, everything else untouched.
+
+Imported by `plugin.register()` only when vLLM is installed. The classes live at module level
+because vLLM pickles its configuration (quantization config included) into the engine process.
+
+Where the experts come from:
+* a **moet checkpoint** (`moet convert`): its `.w2_codes` / `.w2_scales` tensors stream through
+  vLLM's loader into four uint8 parameters per MoE layer (`w13_w2_codes` [E, 2I, H/4],
+  `w13_w2_scales` [E, 2I, H/32], `w2_w2_codes` [E, H, I/4], `w2_w2_scales` [E, H, I/32]: vLLM's
+  expert mapping names them `w13_`/`w2_` + the checkpoint suffix), TP-sliced by vLLM's helpers;
+* an **official checkpoint** with `--quantization moet`: vLLM skips the expert tensors, and after
+  loading each MoE layer reads its experts through `experts.ExpertSource` (exact re-quantization
+  by moet-quant), or from the persistent pack cache when an earlier boot wrote it.
+
+Compute: `apply` receives vLLM's routing (top-k ids and weights) and runs moet-kernels' torch
+reference in `exact` mode (the CPU path and the GPU kernels' oracle).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.fused_moe import (
+    FusedMoEMethodBase,
+    FusedMoEQuantConfig,
+    RoutedExperts,
+)
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.utils import set_weight_attrs
+
+from moet_kernels.reference import w2_moe_reference
+
+from . import compat
+from .compat import MoetVllmError
+from .config import MoetConfig, resolve
+from .experts import ExpertSource
+from .packcache import ExpertPackCache
+
+log = logging.getLogger("vllm.moet")
+PARAMS = {  # RowLayout section -> parameter name
+    "w13_codes": "w13_w2_codes",
+    "w13_scales": "w13_w2_scales",
+    "w2_codes": "w2_w2_codes",
+    "w2_scales": "w2_w2_scales",
+}
+FLOAT_SOURCES = ("bf16", "fp16", "fp32")
+
+
+def _layer_index(name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", name + ".")
+    if m is None:
+        raise MoetVllmError(f"cannot tell the model layer of MoE module {name!r}")
+    return int(m.group(1))
+
+
+class MoetLoadSession:
+    """Per worker process: the expert source and pack cache shared by all MoE layers."""
+
+    def __init__(self, cfg: MoetConfig, model_path: str, tp_rank: int, tp_size: int):
+        self.source = ExpertSource.open(model_path, cfg, tp_rank, tp_size)
+        self.cache = ExpertPackCache(
+            cfg,
+            self.source.ckpt_id,
+            self.source.layout,
+            n_layers=len(self.source.moe_layers),
+            n_experts=self.source.n_experts,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.pending = set(self.source.moe_layers)
+        self.from_pack = self.quantized = 0
+        self.seconds = 0.0
+        log.info(
+            "moet: experts of %s: %s (%s, %d MoE layers x %d experts); pack cache %s",
+            model_path,
+            self.source.kind,
+            getattr(self.source, "source_format", "?"),
+            len(self.source.moe_layers),
+            self.source.n_experts,
+            self.cache.reason,
+        )
+
+    def sections(self, model_layer: int) -> dict:
+        t0 = time.perf_counter()
+        ordinal = self.source.moe_layers.index(model_layer)
+        secs = self.cache.read_layer(ordinal)
+        if secs is None:
+            secs = self.source.layer(model_layer)
+            self.cache.write_layer(ordinal, secs)
+            self.quantized += 1
+        else:
+            self.from_pack += 1
+        self.seconds += time.perf_counter() - t0
+        self.pending.discard(model_layer)
+        if not self.pending:
+            log.info(
+                "moet: expert weights ready in %.2f s: %d layers re-quantized, %d from the "
+                "pack cache",
+                self.seconds,
+                self.quantized,
+                self.from_pack,
+            )
+            self.close()
+        return secs
+
+    def close(self) -> None:
+        self.cache.close()
+        self.source.close()
+
+
+class MoetMoEMethod(FusedMoEMethodBase):
+    """Routed experts as W2 codes and UE8M0 scales (see the module doc)."""
+
+    def __init__(self, moe_config, quant_config: MoetQuantConfig, prefix: str):
+        super().__init__(moe_config)
+        self.quant_config = quant_config
+        self.model_layer = _layer_index(prefix)
+
+    def create_weights(
+        self,
+        layer,
+        num_experts,
+        hidden_size,
+        intermediate_size_per_partition,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
+        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        if h % 32 or i % 32:
+            raise MoetVllmError(
+                f"{layer.layer_name}: hidden size {h} and per-rank expert "
+                f"intermediate size {i} must be multiples of 32 for W2"
+            )
+        shapes = {
+            "w13_w2_codes": (e, 2 * i, h // 4),
+            "w13_w2_scales": (e, 2 * i, h // 32),
+            "w2_w2_codes": (e, h, i // 4),
+            "w2_w2_scales": (e, h, i // 32),
+        }
+
+        def weight_loader(
+            param, loaded_weight, weight_name, shard_id, expert_id, return_success=False
+        ):
+            ok = compat.load_expert_shard(layer, param, loaded_weight, shard_id, expert_id)
+            return ok if return_success else None
+
+        weight_loader.supports_moe_loading = True
+        for name, shape in shapes.items():
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False)
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, {**extra_weight_attrs, "weight_loader": weight_loader})
+
+    def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
+        return FusedMoEQuantConfig.make()
+
+    def process_weights_after_loading(self, layer) -> None:
+        session = self.quant_config.load_session(layer)
+        if session is None:
+            return  # a moet checkpoint: the parameters were streamed in
+        secs = session.sections(self.model_layer)
+        with torch.no_grad():
+            for section, name in PARAMS.items():
+                param = getattr(layer, name)
+                src = torch.from_numpy(secs[section])
+                if tuple(src.shape) != tuple(param.shape):
+                    raise MoetVllmError(
+                        f"{layer.layer_name}.{name}: experts of the checkpoint "
+                        f"give {list(src.shape)}, the layer has "
+                        f"{list(param.shape)}"
+                    )
+                param.copy_(src)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        ids = topk_ids.long()
+        if layer.expert_map is not None:  # expert parallel: global -> local ids
+            ids = layer.expert_map[ids]
+        out = w2_moe_reference(
+            x,
+            ids,
+            topk_weights,
+            (layer.w13_w2_codes, layer.w13_w2_scales),
+            (layer.w2_w2_codes, layer.w2_w2_scales),
+        )
+        return out.to(x.dtype)
+
+
+class MoetQuantConfig(QuantizationConfig):
+    """vLLM's view of moet: built from a moet checkpoint's quantization_config, or with no
+    arguments when `--quantization moet` is given for an unquantized checkpoint."""
+
+    def __init__(self, checkpoint_qc: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.checkpoint_qc = dict(checkpoint_qc or {})
+        self._cfg: MoetConfig | None = None
+        self._session: MoetLoadSession | None = None
+
+    def __getstate__(self):  # what travels to the engine process: never a live load session
+        state = dict(self.__dict__)
+        state["_session"] = None
+        return state
+
+    # -- QuantizationConfig --
+    def get_name(self) -> str:
+        return "moet"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> MoetQuantConfig:
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        if (hf_quant_cfg or {}).get("quant_method") == "moet" or user_quant == "moet":
+            return "moet"
+        return None
+
+    def get_quant_method(self, layer, prefix: str):
+        if isinstance(layer, RoutedExperts):
+            self.config()  # validate at boot, in the process that builds the model
+            return MoetMoEMethod(layer.moe_config, self, prefix)
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
+
+    # -- moet --
+    @property
+    def is_moet_checkpoint(self) -> bool:
+        return self.checkpoint_qc.get("quant_method") == "moet"
+
+    def config(self) -> MoetConfig:
+        if self._cfg is None:
+            from vllm.config import get_current_vllm_config
+
+            source_method = self.checkpoint_qc.get("quant_method")
+            if source_method not in (None, "moet"):
+                raise MoetVllmError(
+                    f"--quantization moet on a checkpoint quantized with {source_method!r}: this "
+                    f"moet version re-quantizes unquantized (bf16/fp16/fp32) checkpoints at load; "
+                    f"convert this one first with `moet convert` and serve the result"
+                )
+            additional = getattr(get_current_vllm_config(), "additional_config", None) or {}
+            self._cfg = resolve(self.checkpoint_qc if self.is_moet_checkpoint else None, additional)
+            compat.skip_routed_expert_tensors(not self.is_moet_checkpoint)
+        return self._cfg
+
+    def load_session(self, layer) -> MoetLoadSession | None:
+        """The shared expert source for an official checkpoint (None for a moet checkpoint)."""
+        if self.is_moet_checkpoint:
+            return None
+        if self._session is None:
+            from vllm.config import get_current_vllm_config
+
+            model = get_current_vllm_config().model_config.model
+            moe = layer.moe_config
+            self._session = MoetLoadSession(self.config(), model, moe.tp_rank, moe.tp_size)
+            if self._session.source.source_format not in FLOAT_SOURCES:
+                raise MoetVllmError(
+                    f"{model}: experts in {self._session.source.source_format} are re-quantized "
+                    "only through `moet convert` in this version; convert the checkpoint first"
+                )
+        return self._session

@@ -1,0 +1,172 @@
+"""The tiny seeded checkpoints of tiny_models.py: complete, loadable, reproducible.
+
+Each architecture's checkpoint is written once per session; transformers loads it unchanged with
+no missing tensor and gives finite logits, moet-quant's reader finds the routed experts (and GLM's
+MTP layer), the tokenizer loads and round-trips, and a second write is byte-identical. vLLM itself
+is not needed here (its check is a separate script).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import ARCHS, CONFIGS, EXPECTED, MARKER, MTP_EXTRA, write_all, write_tiny_model
+
+from moet_quant.checkpoint import open_checkpoint
+
+FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+TEXT = "Hello, world! Experts route tokens: 2.25 bits/weight. Ünïcødé → ok\n"
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_all(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_checkpoint_is_complete(models: dict[str, Path], arch: str) -> None:
+    d = models[arch]
+    for f in FILES:
+        assert (d / f).is_file(), f
+    assert not [p for p in d.parent.iterdir() if p.name.startswith(".")], "temp dirs left over"
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg == CONFIGS[arch]
+    assert cfg["vocab_size"] == 512 and cfg["max_position_embeddings"] <= 512
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_loads_and_runs(models: dict[str, Path], arch: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        models[arch], dtype=torch.float32, output_loading_info=True
+    )
+    assert type(model).__name__ == CONFIGS[arch]["architectures"][0]
+    assert not info["missing_keys"], info["missing_keys"]
+    assert not info["mismatched_keys"], info["mismatched_keys"]
+    n = CONFIGS[arch]["num_hidden_layers"]
+    # only GLM's MTP layer is foreign to transformers (it has no MTP module)
+    unexpected = sorted(info["unexpected_keys"])
+    if arch == "glm4_moe":
+        assert unexpected and all(k.startswith(f"model.layers.{n}.") for k in unexpected)
+    else:
+        assert not unexpected, unexpected
+    ids = torch.tensor([[1, 17, 100, 311, 5, 42, 511, 7]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, 8, 512)
+    assert torch.isfinite(logits).all()
+    assert logits.std() > 0.1  # not degenerate
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_moet_quant_reads_experts(models: dict[str, Path], arch: str) -> None:
+    ck = open_checkpoint(models[arch])
+    try:
+        info = ck.info
+        exp = EXPECTED[arch]
+        assert info.architecture == CONFIGS[arch]["architectures"][0]
+        assert info.source_format == "bf16"
+        assert info.n_experts == exp["n_experts"]
+        assert info.top_k == exp["top_k"]
+        assert info.moe_layers == exp["moe_layers"]
+        assert info.mtp_layers == exp["mtp_layers"]
+        assert info.hidden_size % 32 == 0 and info.moe_intermediate_size % 32 == 0
+        assert info.n_projections == 3 * exp["n_experts"] * len(exp["moe_layers"])
+        assert info.ckpt_id
+        # one projection decodes to the bf16 values the file holds
+        src = ck.sources[0]
+        w = src.dequant()
+        assert w.shape == src.shape and float(abs(w).max()) > 0
+    finally:
+        ck.close()
+
+
+def test_glm_mtp_tensors(models: dict[str, Path]) -> None:
+    """The MTP layer carries vLLM Glm4MoeMTP's own tensors plus a full MoE decoder layer."""
+    from safetensors import safe_open
+
+    n = CONFIGS["glm4_moe"]["num_hidden_layers"]
+    h, v = CONFIGS["glm4_moe"]["hidden_size"], CONFIGS["glm4_moe"]["vocab_size"]
+    with safe_open(models["glm4_moe"] / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in names}
+        n_ = f"model.layers.{n}."
+        assert torch.equal(
+            f.get_tensor(n_ + "shared_head.head.weight"), f.get_tensor("lm_head.weight")
+        )
+    p = f"model.layers.{n}."
+    for extra in MTP_EXTRA:
+        assert p + extra in names
+    assert shapes[p + "eh_proj.weight"] == (h, 2 * h)
+    assert shapes[p + "shared_head.head.weight"] == (v, h)
+    # the decoder block of the MTP layer has the same tensors as MoE layer n-1
+    block = {k[len(p) :] for k in names if k.startswith(p)} - set(MTP_EXTRA)
+    last = {
+        k[len(f"model.layers.{n - 1}.") :] for k in names if k.startswith(f"model.layers.{n - 1}.")
+    }
+    assert block == last
+    assert not any(k.startswith(f"model.layers.{n + 1}.") for k in names)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizer_round_trips(models: dict[str, Path], arch: str) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[arch])
+    assert len(tok) <= CONFIGS[arch]["vocab_size"]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        CONFIGS[arch]["bos_token_id"],
+        CONFIGS[arch]["eos_token_id"],
+        CONFIGS[arch]["pad_token_id"],
+    )
+    ids = tok(TEXT)["input_ids"]
+    assert max(ids) < CONFIGS[arch]["vocab_size"]
+    assert tok.decode(ids) == TEXT
+    assert len(tok("The quick brown fox")["input_ids"]) < len("The quick brown fox")  # merges
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<|user|>\nhi\n<|assistant|>\n"
+    assert tok.convert_tokens_to_ids("<|assistant|>") in tok(chat)["input_ids"]
+
+
+def test_rewrite_is_byte_identical(models: dict[str, Path], tmp_path: Path) -> None:
+    for arch in ARCHS:
+        again = write_tiny_model(arch, tmp_path / arch, seed=0)
+        for f in FILES:
+            assert (again / f).read_bytes() == (models[arch] / f).read_bytes(), (arch, f)
+    other = write_tiny_model("mixtral", tmp_path / "mixtral-seed1", seed=1)
+    a = (other / "model.safetensors").read_bytes()
+    assert a != (models["mixtral"] / "model.safetensors").read_bytes()
+    assert len(a) == (models["mixtral"] / "model.safetensors").stat().st_size
+
+
+def test_idempotent_and_replaces_stale(tmp_path: Path) -> None:
+    d = write_tiny_model("mixtral", tmp_path / "m", seed=0)
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, 1))
+    assert write_tiny_model("mixtral", d, seed=0) == d
+    assert (d / "model.safetensors").stat().st_mtime_ns == 1  # skipped: not rewritten
+    # another seed in the same directory: rewritten, marker updated
+    write_tiny_model("mixtral", d, seed=3)
+    assert json.loads((d / MARKER).read_text())["seed"] == 3
+    assert (d / "model.safetensors").stat().st_mtime_ns != 1
+    # a directory without the marker (e.g. an interrupted copy) is not trusted
+    (d / MARKER).unlink()
+    (d / "model.safetensors").write_bytes(b"truncated")
+    write_tiny_model("mixtral", d, seed=3)
+    assert (d / "model.safetensors").stat().st_size > 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp dirs left
+    with pytest.raises(ValueError, match="unknown arch"):
+        write_tiny_model("llama", tmp_path / "x")
