@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The README's main-job command. Until the vLLM plugin lands it builds a real (seeded, untrained)
-# Hugging Face MoE checkpoint with transformers and runs the quantizer on it: inspect, convert
-# (twice: the second run finds the finished conversion), study. All output stays in moet's cache dir.
+# The README's main-job command: builds the default MoE model, converts it to 2-bit experts, serves
+# it with vLLM and the moet plugin, asks it through the OpenAI API, prints the expert-tier summary
+# and shuts the server down (ci/main_job.py). All output stays in moet's cache dir.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

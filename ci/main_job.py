@@ -1,70 +1,170 @@
-"""The main job (README): a real MoE checkpoint through moet-quant, end to end.
+"""The main job (README): a MoE served by vLLM with moet's 2-bit experts, asked through the
+OpenAI API.
 
-1. transformers builds a seeded Qwen3MoeForCausalLM (8 layers x 32 experts, bf16) and saves it as a
-   real safetensors checkpoint (skipped when it is already there);
-2. `moet-quant inspect` reports what it holds, `convert --dry-run` the sizes per tier;
-3. `moet-quant convert` writes the moet checkpoint (2-bit experts), then `study` reports the
-   codebook verdict.
+1. builds the default model: a seeded, untrained Qwen3-MoE with a real tokenizer (the project's
+   tiny test model, until the trained fixture model replaces it), as a Hugging Face checkpoint;
+2. `moet inspect` reports it; `moet convert` writes the moet checkpoint (2-bit experts; resumable,
+   a finished conversion is kept);
+3. starts vLLM's OpenAI server on it with the moet plugin (no flag: the checkpoint says "moet"),
+   sends a chat and a completion request with the `openai` client and prints the answers;
+4. prints the expert-tier summary and shuts the server down.
 Everything lives under $XDG_CACHE_HOME/moet/main-job (default ~/.cache/moet/main-job).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "main-job"
 MODEL = CACHE / "qwen3-moe-tiny"
 OUT = CACHE / "qwen3-moe-tiny-moet"
+NAME = "moet-qwen3-moe-tiny"
 
 
-def build_model() -> None:
-    if (MODEL / "config.json").exists():
-        print(f"== model: {MODEL} (already built)")
-        return
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def step(title: str) -> None:
+    print(f"\n== {title}", flush=True)
 
-    cfg = Qwen3MoeConfig(
-        vocab_size=2048,
-        hidden_size=512,
-        intermediate_size=1024,
-        moe_intermediate_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        num_experts=32,
-        num_experts_per_tok=4,
-        tie_word_embeddings=False,
+
+def moet(*args: str) -> None:
+    step("moet " + " ".join(args))
+    subprocess.run(["moet", *args], check=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, log_path: Path) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "MOET_CACHE_DIR": str(CACHE / "packs"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(OUT),
+        "--served-model-name",
+        NAME,
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    step(f"vLLM OpenAI server on 127.0.0.1:{port} (log: {log_path})")
+    return subprocess.Popen(
+        cmd, stdout=log_path.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    tmp = MODEL.with_name(MODEL.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size="40MB")
-    tmp.rename(MODEL)
-    print(f"== model: built {MODEL} with transformers (seeded, untrained)")
 
 
-def moet_quant(*args: str) -> None:
-    print(f"\n== moet-quant {' '.join(args)}", flush=True)
-    subprocess.run(["moet-quant", *args], check=True)
+def wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 600) -> None:
+    import urllib.request
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            sys.exit(
+                f"main job: the server exited with code {proc.returncode}; its log:\n"
+                + log_path.read_text()[-4000:]
+            )
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    print(f"\n   ready after {time.monotonic() - t0:.0f} s", flush=True)
+                    return
+        except OSError:
+            pass
+        waited = time.monotonic() - t0
+        if sys.stdout.isatty():
+            print(f"\r   starting... {waited:.0f} s", end="", flush=True)
+        elif int(waited) % 20 < 2:
+            print(f"   starting... {waited:.0f} s", flush=True)
+        time.sleep(2)
+    sys.exit(f"main job: the server was not ready after {timeout:.0f} s; see {log_path}")
+
+
+def ask(port: int) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    step("chat completion")
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "Which experts answer this?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    print(f"   answer: {chat.choices[0].message.content!r}")
+    print(
+        f"   usage:  {chat.usage.prompt_tokens} prompt + {chat.usage.completion_tokens} "
+        "completion tokens"
+    )
+    step("completion")
+    comp = client.completions.create(
+        model=NAME, prompt="Mixture-of-Experts models", max_tokens=16, temperature=0
+    )
+    print(f"   text: {comp.choices[0].text!r}")
+
+
+def tier_summary(log_path: Path) -> None:
+    from moet_quant.checkpoint import open_checkpoint
+
+    step("expert tiers")
+    info = open_checkpoint(MODEL).info
+    w2 = info.bytes["w2"]
+    print(f"   experts: {len(info.moe_layers)} MoE layers x {info.n_experts}, top-{info.top_k}")
+    print(
+        f"   W2 expert bytes {w2 / 1e6:.1f} MB (source {info.bytes['source_experts'] / 1e6:.1f}"
+        f" MB: {info.bytes['source_experts'] / w2:.1f}x smaller)"
+    )
+    print("   residency: 100% of experts resident (tiered residency is not in this version)")
+    for ln in log_path.read_text().splitlines():
+        if "moet:" in ln:
+            print(f"   server: {ln.split('moet:', 1)[1].strip()[:140]}")
 
 
 def main() -> int:
     CACHE.mkdir(parents=True, exist_ok=True)
-    build_model()
-    moet_quant("inspect", str(MODEL))
-    moet_quant("convert", str(MODEL), str(OUT), "--dry-run")
-    shutil.rmtree(OUT, ignore_errors=True)
-    moet_quant("convert", str(MODEL), str(OUT))
-    moet_quant("convert", str(MODEL), str(OUT))  # resumable: finds every shard finished
-    moet_quant("study", str(MODEL), "--limit", "48")
-    print(f"\n== done: the moet checkpoint is {OUT}")
+    sys.path.insert(0, str(ROOT / "packages" / "moet-vllm" / "tests"))
+    from tiny_models import write_tiny_model  # the default model until the trained fixture
+
+    step(f"model: {MODEL}")
+    write_tiny_model("qwen3_moe", MODEL)
+    moet("inspect", str(MODEL))
+    moet("convert", str(MODEL), str(OUT))
+    port = free_port()
+    log_path = CACHE / "server.log"
+    proc = start_server(port, log_path)
+    try:
+        wait_ready(proc, port, log_path)
+        ask(port)
+        tier_summary(log_path)
+    finally:
+        step("shutting the server down")
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    print(f"\n== done (moet checkpoint: {OUT})")
     return 0
 
 
