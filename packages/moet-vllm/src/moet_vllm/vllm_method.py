@@ -231,7 +231,10 @@ class MoetQuantConfig(QuantizationConfig):
 
     def get_quant_method(self, layer, prefix: str):
         if isinstance(layer, RoutedExperts):
-            self.config()  # validate at boot, in the process that builds the model
+            from vllm.config import get_current_vllm_config
+
+            # validated at boot, in the process that builds the model
+            self.config(getattr(get_current_vllm_config(), "additional_config", None))
             return MoetMoEMethod(layer.moe_config, self, prefix)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
@@ -242,10 +245,10 @@ class MoetQuantConfig(QuantizationConfig):
     def is_moet_checkpoint(self) -> bool:
         return self.checkpoint_qc.get("quant_method") == "moet"
 
-    def config(self) -> MoetConfig:
+    def config(self, additional_config: dict | None = None) -> MoetConfig:
+        """The resolved MoetConfig; the first call (at boot, with vLLM's --additional-config)
+        fixes it."""
         if self._cfg is None:
-            from vllm.config import get_current_vllm_config
-
             source_method = self.checkpoint_qc.get("quant_method")
             if source_method not in (None, "moet"):
                 raise MoetVllmError(
@@ -253,9 +256,16 @@ class MoetQuantConfig(QuantizationConfig):
                     f"moet version re-quantizes unquantized (bf16/fp16/fp32) checkpoints at load; "
                     f"convert this one first with `moet convert` and serve the result"
                 )
-            additional = getattr(get_current_vllm_config(), "additional_config", None) or {}
-            self._cfg = resolve(self.checkpoint_qc if self.is_moet_checkpoint else None, additional)
+            qc = self.checkpoint_qc if self.is_moet_checkpoint else None
+            self._cfg = resolve(qc, additional_config or {})
             compat.skip_routed_expert_tensors(not self.is_moet_checkpoint)
+            origin = "a moet checkpoint" if self.is_moet_checkpoint else "re-quantization at load"
+            log.info(
+                "moet: routed experts as %s from %s; compute: exact torch reference; all "
+                "experts resident",
+                self._cfg.format,
+                origin,
+            )
         return self._cfg
 
     def load_session(self, layer) -> MoetLoadSession | None:
