@@ -56,3 +56,21 @@ def test_console_script_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "kernels: unavailable" in proc.stdout or "kernels: available" in proc.stdout
+
+
+def test_info_for_official_and_moet_checkpoints(tmp_path, capsys):
+    from moet_quant import convert, synth
+
+    src = synth.write_checkpoint(
+        tmp_path / "src", "qwen3-moe", "bf16", n_layers=2, n_experts=4, hidden=64, inter=32
+    )
+    convert.convert(src, tmp_path / "moet", progress=False)
+    assert cli.main(["info", str(src)]) == 0
+    out = capsys.readouterr().out
+    assert "re-quantized at load (bf16)" in out and "0/2 layers cached" in out
+    assert "w2-ue8m0b32-v1+logical-v0+rows-a256[" in out
+    assert cli.main(["info", str(tmp_path / "moet")]) == 0
+    out = capsys.readouterr().out
+    assert "moet checkpoint" in out and "pack cache" not in out
+    assert cli.main(["info", str(tmp_path / "missing")]) == 2
+    assert "config.json: not found" in capsys.readouterr().err

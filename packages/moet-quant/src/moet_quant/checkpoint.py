@@ -145,8 +145,8 @@ def ckpt_id(identity: dict | None) -> str | None:
 # --- the checkpoint -------------------------------------------------------------------------
 
 
-def read_config(path: Path) -> dict:
-    cfg_path = path / "config.json"
+def read_config(path: str | os.PathLike) -> dict:
+    cfg_path = Path(path) / "config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
     except FileNotFoundError:

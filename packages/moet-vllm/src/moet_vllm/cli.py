@@ -32,6 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"moet-vllm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_subcommands(sub)  # convert, inspect, study, ... (moet-quant)
+    info = sub.add_parser(
+        "info",
+        help="what serving MODEL with moet means: experts, bytes per tier, pack cache",
+        description="For a moet checkpoint or an official one (re-quantized at load): where the "
+        "experts come from, the MoE geometry, bytes per tier, the configuration moet would use "
+        "and whether the pack cache already holds this model.",
+    )
+    info.add_argument("model", help="checkpoint directory")
+    info.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    info.set_defaults(func=run_info)
     doctor = sub.add_parser(
         "doctor",
         help="check this installation: vLLM, the plugin entry point, kernels, store",
@@ -52,6 +62,47 @@ def _dist_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "not installed"
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from moet_quant.checkpoint import read_config
+
+    from .config import resolve
+    from .experts import ExpertSource
+    from .packcache import ExpertPackCache, abi_string
+
+    qc = read_config(args.model).get("quantization_config") or {}
+    cfg = resolve(qc if qc.get("quant_method") == "moet" else None)
+    src = ExpertSource.open(args.model, cfg, tp_rank=0, tp_size=args.tp)
+    try:
+        lay = src.layout
+        n_layers, e = len(src.moe_layers), src.n_experts
+        w2_bytes = n_layers * e * lay.row_bytes * args.tp
+        rows = [
+            ("model", str(args.model)),
+            ("experts from", f"{src.kind} ({getattr(src, 'source_format', '?')})"),
+            ("MoE layers", f"{n_layers}: {src.moe_layers}"),
+            ("experts per layer", str(e)),
+            ("hidden / expert intermediate", f"{src.hidden} / {src.inter}"),
+            ("W2 expert bytes (all ranks)", f"{w2_bytes / 1e6:.1f} MB"),
+            ("expert row (one rank)", f"{lay.row_bytes} bytes, {lay.spec}"),
+            ("ABI", abi_string(cfg, lay)),
+            ("zero_mode / mode", f"{cfg.zero_mode} / {cfg.mode}"),
+        ]
+        if src.kind != "moet checkpoint":
+            cache = ExpertPackCache(cfg, src.ckpt_id, lay, n_layers, e, tp_size=args.tp)
+            cached = len(cache.cached_layers())
+            rows.append(
+                (
+                    "pack cache (rank 0)",
+                    f"{cache.reason}; {cached}/{n_layers} layers cached in {cache.directory}",
+                )
+            )
+    finally:
+        src.close()
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    return 0
 
 
 def run_doctor(args: argparse.Namespace) -> int:
