@@ -306,8 +306,12 @@ def main() -> int:
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(),
-            "scratch_fs": str(scratch),
-            "doctor": {k: v for k, v in moet_store.doctor(scratch).items() if k != "pack_list"},
+            "scratch_dir": "a temporary directory (--dir, default $TMPDIR)",
+            "doctor": {
+                k: v
+                for k, v in moet_store.doctor(scratch).items()
+                if k not in ("pack_list", "path")
+            },
         }
         results["hit"] = bench_hit(scratch / "hit", args.hit_iters)
         print("hit", json.dumps(results["hit"]))

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -58,8 +59,9 @@ struct TmpPack {
   std::vector<uint8_t> data;  // L*E*row_bytes, the expected rows
   std::vector<uint32_t> crcs;
   TmpPack(uint32_t L_, uint32_t E_, uint64_t rb) : L(L_), E(E_), row_bytes(rb) {
-    char tmpl[] = "/tmp/moet-store-cxx-XXXXXX";
-    dir = mkdtemp(tmpl);
+    const char* base = std::getenv("TMPDIR");
+    std::string tmpl = std::string(base && *base ? base : P_tmpdir) + "/moet-store-cxx-XXXXXX";
+    dir = mkdtemp(tmpl.data());
     path = dir + "/p.pack";
     stride = round_up(rb, kPage);
     data.resize(size_t(L) * E * rb);
