@@ -11,7 +11,6 @@ on one core. Results: bench/results/quant/<host>-<date>.json and a table on stdo
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -25,6 +24,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
 import numpy as np  # noqa: E402
+from results_io import write_result  # noqa: E402
 
 from moet_quant import __version__, checkpoint, convert, synth, w2  # noqa: E402
 
@@ -142,11 +142,7 @@ def main() -> int:
         "target_MB_s_per_core": TARGET_MB_S,
         "results": rows,
     }
-    out = Path(__file__).parent / "results" / "quant"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu-{datetime.now(timezone.utc):%Y-%m-%d}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result("quant", result)
     return 0
 
 

@@ -24,6 +24,8 @@ import tracemalloc
 from datetime import datetime, timezone
 from pathlib import Path
 
+from results_io import write_result  # noqa: E402  (bench/ is on sys.path)
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "bench"
 MODEL = CACHE / "qwen3-moe-2gb"
@@ -162,11 +164,7 @@ def main() -> int:
             indent=1,
         )
     )
-    out = ROOT / "bench" / "results" / "vllm"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"cpu-{datetime.now(timezone.utc):%Y-%m-%d}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result("vllm", result)
     return 0
 
 
