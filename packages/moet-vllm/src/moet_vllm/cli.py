@@ -80,7 +80,7 @@ def run_info(args: argparse.Namespace) -> int:
         w2_bytes = n_layers * e * lay.row_bytes * args.tp
         rows = [
             ("model", str(args.model)),
-            ("experts from", f"{src.kind} ({getattr(src, 'source_format', '?')})"),
+            ("experts from", f"{src.kind} ({src.source_format})"),
             ("MoE layers", f"{n_layers}: {src.moe_layers}"),
             ("experts per layer", str(e)),
             ("hidden / expert intermediate", f"{src.hidden} / {src.inter}"),

@@ -94,6 +94,7 @@ class ExpertSource(ABC):
         self.inter: int = 0
         self.moe_layers: list[int] = []
         self.ckpt_id: str | None = None
+        self.source_format: str = "?"  # the experts' format in the checkpoint
         self._tc = tc
 
     @staticmethod

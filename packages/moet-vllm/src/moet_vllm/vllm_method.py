@@ -79,7 +79,7 @@ class MoetLoadSession:
             "moet: experts of %s: %s (%s, %d MoE layers x %d experts); pack cache %s",
             model_path,
             self.source.kind,
-            getattr(self.source, "source_format", "?"),
+            self.source.source_format,
             len(self.source.moe_layers),
             self.source.n_experts,
             self.cache.reason,
