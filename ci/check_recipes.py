@@ -37,7 +37,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     sys.exit("check_recipes: the 'packaging' distribution is required (pip install packaging)")
 
-from check_versions import table  # noqa: E402  (ci/ is on sys.path when run as a script)
+from check_versions import _valid, table  # noqa: E402  (ci/ is on sys.path when run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 META = "moet"
@@ -277,14 +277,6 @@ def check(folder: Path, root: Path) -> tuple[list[str], list[str]]:
 
     row = [name, str(r_version), "native" if native else "noarch", str(len(run))]
     return errors, row
-
-
-def _valid(raw: str) -> bool:
-    try:
-        Requirement(raw)
-    except InvalidRequirement:
-        return False
-    return True
 
 
 def main(root: Path = ROOT) -> int:

@@ -23,7 +23,12 @@ from .arch import ExpertKey, Family, classify, config_int, family_for
 from .errors import CheckpointError, FormatError
 from .safetensors_io import ShardedSafetensors
 
-FLOAT_DTYPES = {"BF16", "F16", "F32"}
+# float storage dtype -> (source format name, decoder)
+FLOAT_SOURCES = {
+    "BF16": ("bf16", formats.from_bf16),
+    "F16": ("fp16", formats.from_f16),
+    "F32": ("fp32", formats.f32_to_f64),
+}
 SOURCE_FORMATS = (
     "bf16",
     "fp16",
@@ -264,13 +269,8 @@ class Checkpoint:
             )
         n, k = w.shape
         extra = set(parts) - {"weight", "input_scale"}
-        if w.dtype in FLOAT_DTYPES and not extra:
-            fmt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[w.dtype]
-            loader = {
-                "BF16": formats.from_bf16,
-                "F16": formats.from_f16,
-                "F32": formats.f32_to_f64,
-            }[w.dtype]
+        if w.dtype in FLOAT_SOURCES and not extra:
+            fmt, loader = FLOAT_SOURCES[w.dtype]
             return ProjectionSource(
                 key, moe, fmt, (n, k), names, nbytes, lambda: loader(st.array(w.name), base)
             )
@@ -418,16 +418,13 @@ class Checkpoint:
                 f"format; supported expert formats: {SUPPORTED_TEXT}"
             )
         t = st.info(parts[""])
-        if t.dtype not in FLOAT_DTYPES or len(t.shape) != 3:
+        if t.dtype not in FLOAT_SOURCES or len(t.shape) != 3:
             raise CheckpointError(
                 f"{self.path}: fused expert tensor {t.name} is {t.dtype}"
                 f"{list(t.shape)}; expected a 3-D bf16/fp16/fp32 tensor (quantized "
                 f"fused experts other than MXFP4 are not supported)"
             )
-        fmt = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}[t.dtype]
-        loader = {"BF16": formats.from_bf16, "F16": formats.from_f16, "F32": formats.f32_to_f64}[
-            t.dtype
-        ]
+        fmt, loader = FLOAT_SOURCES[t.dtype]
         n_e = t.shape[0]
         projs = ("down",) if g["proj"] == "down_proj" else ("gate", "up")
 

@@ -164,9 +164,9 @@ def _quantize_projection(src: ProjectionSource, opts: ConvertOptions) -> list[np
     if opts.fp4_tier == "fp4r":
         base, nib = fp4.fp4r(src.load(), opts.zero_mode, name=src.name)
         return [base.codes, base.scales, fp4.refinement_plane(nib)]
+    x = src.fp4x() if opts.fp4_tier == "fp4x" or src.fmt == "mxfp4" else None  # read once
     if opts.mode == "reference" and src.fmt == "mxfp4":
         # FP4 sources with UE8M0 block-32 scales map nibble -> code directly (scales verbatim)
-        x = src.fp4x()
         base = w2.from_fp4_nibbles(
             unpack_nibbles(x["codes"]), x["scales"], opts.zero_mode, src.name
         )
@@ -174,7 +174,6 @@ def _quantize_projection(src: ProjectionSource, opts: ConvertOptions) -> list[np
         base = w2.quantize(src.load(), opts.zero_mode, opts.mode, name=src.name)
     out = [base.codes, base.scales]
     if opts.fp4_tier == "fp4x":
-        x = src.fp4x()
         out += [x["codes"], x["scales"]] + ([x["scale_2"]] if "scale_2" in x else [])
     return out
 

@@ -94,17 +94,21 @@ def dequantize(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return (LEVELS[c].reshape(n, k // BLOCK, BLOCK) * s[:, :, None]).reshape(n, k)
 
 
+def balances_zeros(zero_mode: str, n_zero: int, n_neg_zero: int) -> bool:
+    """Whether a tensor's exact zeros take k-parity signs: always in `alt`, never in `sign`, and
+    in `auto` when the minority sign holds under 5% of the zeros."""
+    if zero_mode != "auto":
+        return zero_mode == "alt"
+    return n_zero > 0 and 20 * min(n_neg_zero, n_zero - n_neg_zero) < n_zero
+
+
 def _balance_zeros(neg: np.ndarray, zero: np.ndarray, zero_mode: str) -> np.ndarray:
     """Apply zero-sign balancing to the sign plane (see module doc). Returns the new sign plane."""
     if zero_mode == "sign":
         return neg
     n_zero = int(np.count_nonzero(zero))
-    if n_zero == 0:
+    if not balances_zeros(zero_mode, n_zero, int(np.count_nonzero(neg & zero))):
         return neg
-    if zero_mode == "auto":
-        n_neg = int(np.count_nonzero(neg & zero))
-        if 20 * min(n_neg, n_zero - n_neg) >= n_zero:  # minority holds >= 5%: keep the signs
-            return neg
     odd_k = (np.arange(neg.shape[1]) & 1).astype(bool)
     return np.where(zero, odd_k[None, :], neg)
 
@@ -311,7 +315,7 @@ def quantize(
     seen = [band(r0, r1, balance) for r0, r1 in bands]
     if zero_mode == "auto":
         n_zero, n_neg = (sum(c) for c in zip(*seen))
-        if n_zero and 20 * min(n_neg, n_zero - n_neg) < n_zero:
+        if balances_zeros(zero_mode, n_zero, n_neg):
             for (r0, r1), (z, _) in zip(bands, seen):
                 if z and with_grid:
                     band(r0, r1, True)

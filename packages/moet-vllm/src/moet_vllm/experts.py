@@ -10,7 +10,6 @@ one layer of this rank's W2 data plus one source projection.
 
 from __future__ import annotations
 
-import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import numpy as np
 
 from moet_kernels.layout import RowLayout
 from moet_quant import w2
-from moet_quant.arch import family_for
+from moet_quant.arch import classify, family_for
 from moet_quant.checkpoint import (
     Checkpoint,
     checkpoint_identity,
@@ -87,15 +86,12 @@ class ExpertSource(ABC):
 
     def __init__(self, path: Path, cfg: MoetConfig, tp_rank: int, tp_size: int):
         self.path, self.cfg, self.tp_rank, self.tp_size = path, cfg, tp_rank, tp_size
-        self.config = read_config(path)
-        tc = text_config(self.config)
         self.n_experts: int = 0
         self.hidden: int = 0
         self.inter: int = 0
         self.moe_layers: list[int] = []
         self.ckpt_id: str | None = None
         self.source_format: str = "?"  # the experts' format in the checkpoint
-        self._tc = tc
 
     @staticmethod
     def open(path: str | Path, cfg: MoetConfig, tp_rank: int = 0, tp_size: int = 1) -> ExpertSource:
@@ -163,20 +159,15 @@ class MoetCheckpointSource(ExpertSource):
     def __init__(self, path: Path, cfg: MoetConfig, tp_rank: int, tp_size: int):
         super().__init__(path, cfg, tp_rank, tp_size)
         verify_complete(path)
-        family_for(self._tc, str(path / "config.json"))
+        family_for(text_config(read_config(path)), str(path / "config.json"))
         self.st = ShardedSafetensors(path)
         self.ckpt_id = ckpt_id(checkpoint_identity(path))
         self.source_format = "moet"
         self._names: dict[int, dict[tuple[int, str], str]] = {}
-        pat = re.compile(
-            r"^(?P<moe>.*layers\.(?P<layer>\d+)\.\w+)\.experts\.(?P<e>\d+)\."
-            r"(?P<proj>gate|up|down)_proj\.w2_codes$"
-        )
         for name in self.st.names():
-            m = pat.match(name)
-            if m:
-                base = name[: -len(".w2_codes")]
-                self._names.setdefault(int(m["layer"]), {})[(int(m["e"]), m["proj"])] = base
+            key, suffix, info = classify(name)  # the expert naming of moet-quant's readers
+            if key is not None and suffix == "w2_codes":
+                self._names.setdefault(key.layer, {})[(key.expert, key.proj)] = info["base"]
         if not self._names:
             raise MoetVllmError(
                 f"{path}: a moet checkpoint without any '.w2_codes' expert "
