@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ARCHS, CONFIGS, EXPECTED, MARKER, MTP_EXTRA, write_all, write_tiny_model
+from tiny_models import (
+    ARCHS,
+    CONFIGS,
+    EXPECTED,
+    MARKER,
+    MTP_EXTRA,
+    SPECIAL_TOKENS,
+    write_all,
+    write_tiny_model,
+)
 
 from moet_quant.checkpoint import open_checkpoint
 
@@ -137,8 +146,108 @@ def test_tokenizer_round_trips(models: dict[str, Path], arch: str) -> None:
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
     )
-    assert chat == "<|user|>\nhi\n<|assistant|>\n"
+    if arch == "glm4_moe":  # GLM-4.5's format: the model opens <think> itself
+        assert chat == "[gMASK]<sop><|user|>\nhi<|assistant|>"
+    else:
+        assert chat == "<|user|>\nhi\n<|assistant|>\n"
     assert tok.convert_tokens_to_ids("<|assistant|>") in tok(chat)["input_ids"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_special_tokens_are_single_ids(models: dict[str, Path], arch: str) -> None:
+    """GLM's chat and tool-call markup (what vLLM's glm45 parsers look up by id) is one token
+    each, encodes as that token inside text, and decodes back unless special tokens are skipped."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[arch])
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.convert_tokens_to_ids(t) == i, t
+        assert tok.get_vocab()[t] == i
+    glm = "<|assistant|>\n<think>hm</think><tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value>"
+    ids = tok(glm + "</tool_call>")["input_ids"]
+    markup = [i for i in ids if i < len(SPECIAL_TOKENS)]
+    assert tok.convert_ids_to_tokens(markup) == [
+        "<|assistant|>",
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "</tool_call>",
+    ]
+    assert tok.decode(ids) == glm + "</tool_call>"
+    assert tok.decode(ids, skip_special_tokens=True) == "\nhmfkv"
+
+
+GLM_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+def test_glm_chat_template_renders_tools_calls_and_results(models: dict[str, Path]) -> None:
+    """GLM-4.5's format: tools as JSON lines in a system block, assistant tool calls as
+    <tool_call>NAME + <arg_key>/<arg_value> pairs (strings verbatim, others JSON), tool results
+    after one <|observation|>, reasoning in <think>, and the thinking switch."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["glm4_moe"])
+    call = {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Use the tool.",
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"},
+        {"role": "tool", "tool_call_id": "c2", "content": "wind 3 m/s"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks"},
+    ]
+    chat = tok.apply_chat_template(
+        messages, tools=GLM_TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    tools_json = json.dumps(GLM_TOOLS[0]["function"])
+    assert chat.startswith("[gMASK]<sop><|system|>\n# Tools\n")
+    assert f"<tools>\n{tools_json}\n</tools>" in chat
+    assert chat.endswith(
+        "<|system|>\nBe brief."
+        "<|user|>\nWeather in Paris?"
+        "<|assistant|>\n<think>Use the tool.</think>"
+        "\n<tool_call>get_weather"
+        "\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>"
+        "\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>"
+        "\n</tool_call>"
+        "<|observation|>\n<tool_response>\nsunny, 21 C\n</tool_response>"
+        "\n<tool_response>\nwind 3 m/s\n</tool_response>"
+        "<|assistant|>\n<think></think>\nSunny."
+        "<|user|>\nThanks"
+        "<|assistant|>"
+    )
+    ids = tok(chat)["input_ids"]
+    assert tok.decode(ids) == chat
+    for t in ("<|observation|>", "<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>"):
+        assert tok.convert_tokens_to_ids(t) in ids, t
+    # no tools: no tool block; thinking off: /nothink and an empty, closed think block
+    off = tok.apply_chat_template(
+        messages[1:2], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert off == "[gMASK]<sop><|user|>\nWeather in Paris?/nothink<|assistant|>\n<think></think>"
 
 
 def test_rewrite_is_byte_identical(models: dict[str, Path], tmp_path: Path) -> None:

@@ -2,8 +2,10 @@
 
 `write_tiny_model(arch, out_dir, seed=0)` writes config.json, generation_config.json, one
 model.safetensors (bf16, the Hub's per-expert tensor names) and a byte-level BPE tokenizer
-(tokenizer.json + tokenizer_config.json, PreTrainedTokenizerFast, with a simple chat template), so
-transformers loads it unchanged and vLLM serves it offline. The weights come from a
+(tokenizer.json + tokenizer_config.json, PreTrainedTokenizerFast, with a simple chat template;
+glm4_moe has GLM-4.5's chat format with tools, and GLM's tool-call and reasoning markup are single
+special tokens, so vLLM's glm45 tool and reasoning parsers work on it), so transformers loads it
+unchanged and vLLM serves it offline (also through its OpenAI server). The weights come from a
 `torch.Generator` seeded with `seed`: the same (arch, seed) gives byte-identical safetensors.
 
 Architectures (`ARCHS`):
@@ -50,13 +52,19 @@ from safetensors.torch import save_file
 
 ARCHS = ("qwen3_moe", "glm4_moe", "deepseek_v3", "mixtral")
 MARKER = "tiny_model.json"
-VERSION = 1  # bump when the tensors, config or tokenizer written for a given seed change
+VERSION = 2  # bump when the tensors, config or tokenizer written for a given seed change
 
 VOCAB_SIZE = 512
 MAX_POSITIONS = 512
 HIDDEN = 128
 
-# token ids 0..5 (the tokenizer trainer puts special tokens first, in this order)
+# Special tokens, single ids 0..19 in this order (the tokenizer trainer puts them first). 0..2 are
+# the usual end/begin/pad; the rest are GLM-4.5's chat and tool-call markup, so vLLM's glm45 tool
+# and reasoning parsers (and the GLM-4.7 structural tag that constrains forced tool calls) find the
+# token ids they look up: the turn markers (`<|system|>`, `<|user|>`, `<|assistant|>`,
+# `<|observation|>`), `<think>`/`</think>`, `<tool_call>`/`</tool_call>`, `<arg_key>`/`</arg_key>`,
+# `<arg_value>`/`</arg_value>`; `[gMASK]<sop>` opens every GLM prompt, `/nothink` ends a user turn
+# when thinking is off, `<tool_response>` wraps a tool result.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|bos|>",
@@ -64,6 +72,20 @@ SPECIAL_TOKENS = (
     "<|system|>",
     "<|user|>",
     "<|assistant|>",
+    "<|observation|>",
+    "[gMASK]",
+    "<sop>",
+    "/nothink",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
 )
 EOS_ID, BOS_ID, PAD_ID = 0, 1, 2
 CHAT_TEMPLATE = (
@@ -72,6 +94,59 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+# GLM-4.5's chat format, for glm4_moe (written for these tests from the format, see
+# docs/vllm.md): `[gMASK]<sop>`, then an optional `<|system|>` block listing the tools as JSON
+# lines inside `<tools>`; each turn opens with its marker (`<|system|>\n`, `<|user|>\n`,
+# `<|assistant|>`); an assistant turn carries `\n<think>REASONING</think>` (empty when it has
+# none), `\n` + its text, and each tool call as `\n<tool_call>NAME` + `\n<arg_key>K</arg_key>
+# \n<arg_value>V</arg_value>` per argument (strings verbatim, other values as JSON) +
+# `\n</tool_call>`; tool results follow one `<|observation|>` as `\n<tool_response>\nRESULT
+# \n</tool_response>`. The generation prompt is `<|assistant|>`, the model opens `<think>` itself;
+# `enable_thinking=False` appends `/nothink` to user turns and `\n<think></think>` to the prompt.
+# (transformers renders with trim_blocks, so no literal newline follows a block tag here.)
+GLM_CHAT_TEMPLATE = (
+    "{% set thinking = enable_thinking is not defined or enable_thinking %}"
+    "[gMASK]<sop>"
+    "{% if tools %}"
+    "{{ '<|system|>\\n# Tools\\n\\nYou may call the functions below, given as JSON signatures "
+    "inside <tools></tools>:\\n<tools>\\n' }}"
+    "{% for tool in tools %}"
+    "{{ (tool.function if tool.function is defined else tool) | tojson }}{{ '\\n' }}"
+    "{% endfor %}"
+    "{{ '</tools>\\n\\nTo call one, answer with its name and arguments in this form:\\n"
+    "<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>\\n...\\n"
+    "</tool_call>' }}"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'system' %}"
+    "{{ '<|system|>\\n' }}{{ m.content }}"
+    "{% elif m.role == 'user' %}"
+    "{{ '<|user|>\\n' }}{{ m.content }}{% if not thinking %}/nothink{% endif %}"
+    "{% elif m.role == 'assistant' %}"
+    "{% set reasoning = m.reasoning_content or m.reasoning or '' %}"
+    "{{ '<|assistant|>\\n<think>' }}{{ reasoning | trim }}{{ '</think>' }}"
+    "{% if m.content %}{{ '\\n' }}{{ m.content | trim }}{% endif %}"
+    "{% for tc in m.tool_calls or [] %}"
+    "{% set f = tc.function if tc.function is defined else tc %}"
+    "{{ '\\n<tool_call>' }}{{ f.name }}"
+    "{% if f.arguments is mapping %}"
+    "{% for key, value in f.arguments.items() %}"
+    "{{ '\\n<arg_key>' }}{{ key }}{{ '</arg_key>\\n<arg_value>' }}"
+    "{{ value if value is string else value | tojson }}{{ '</arg_value>' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% elif m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|observation|>{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}{{ m.content }}{{ '\\n</tool_response>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>"
+    "{% if not thinking %}{{ '\\n<think></think>' }}{% endif %}"
+    "{% endif %}"
+)
+CHAT_TEMPLATES = {"glm4_moe": GLM_CHAT_TEMPLATE}  # the others use CHAT_TEMPLATE
 CORPUS = (
     "The quick brown fox jumps over the lazy dog.",
     "Mixture-of-Experts models route each token to a few experts out of many.",
@@ -364,8 +439,15 @@ def make_tensors(arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
 # --- tokenizer -----------------------------------------------------------------------------------
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """A byte-level BPE (any string round-trips) trained on `CORPUS`, at most `vocab_size` ids."""
+def chat_template(arch: str) -> str:
+    return CHAT_TEMPLATES.get(arch, CHAT_TEMPLATE)
+
+
+def write_tokenizer(
+    out_dir: Path, vocab_size: int = VOCAB_SIZE, template: str = CHAT_TEMPLATE
+) -> None:
+    """A byte-level BPE (any string round-trips) trained on `CORPUS`, at most `vocab_size` ids,
+    with every `SPECIAL_TOKENS` entry a single special token, and the chat template `template`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -405,7 +487,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
         "model_max_length": MAX_POSITIONS,
         "padding_side": "left",
         "added_tokens_decoder": special,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     _write_json(out_dir / "tokenizer_config.json", cfg)
     _write_json(
@@ -424,7 +506,9 @@ def _write_json(path: Path, obj: dict) -> None:
 def marker(arch: str, seed: int) -> dict:
     """What identifies a written model: the arch, seed, format version and a digest of the
     config and tensor spec (so an edit of either invalidates a cached directory)."""
-    blob = json.dumps([CONFIGS[arch], tensor_spec(arch), CORPUS, SPECIAL_TOKENS, CHAT_TEMPLATE])
+    blob = json.dumps(
+        [CONFIGS[arch], tensor_spec(arch), CORPUS, SPECIAL_TOKENS, chat_template(arch)]
+    )
     return {
         "arch": arch,
         "seed": seed,
@@ -449,7 +533,7 @@ def _write_into(d: Path, arch: str, seed: int) -> None:
         d / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
-    write_tokenizer(d)
+    write_tokenizer(d, template=chat_template(arch))
     _write_json(d / MARKER, marker(arch, seed))  # last: the directory is complete
     umask = os.umask(0o022)
     os.umask(umask)
