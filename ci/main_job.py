@@ -1,12 +1,15 @@
 """The main job (README): a MoE served by vLLM with moet's 2-bit experts, asked through the
 OpenAI API.
 
-1. builds the default model: a seeded, untrained Qwen3-MoE with a real tokenizer (the project's
-   tiny test model, until the trained fixture model replaces it), as a Hugging Face checkpoint;
+1. builds the default model: a seeded, untrained GLM-4.5-family MoE (shared expert, sigmoid
+   routing, an MTP layer) with a real tokenizer and GLM's chat format (the project's tiny test
+   model, until the trained fixture model replaces it), as a Hugging Face checkpoint;
 2. `moet inspect` reports it; `moet convert` writes the moet checkpoint (2-bit experts; resumable,
    a finished conversion is kept);
-3. starts vLLM's OpenAI server on it with the moet plugin (no flag: the checkpoint says "moet"),
-   sends a chat and a completion request with the `openai` client and prints the answers;
+3. starts vLLM's OpenAI server on it with the moet plugin (no flag: the checkpoint says "moet")
+   and GLM's tool-call and reasoning parsers (glm45), sends a chat, a completion and a tool-call
+   request (named tool_choice; the tool result is sent back) with the `openai` client and prints
+   the answers (an untrained model's text is noise; the tool call is constrained by vLLM);
 4. prints the expert-tier summary and shuts the server down.
 Everything lives under $XDG_CACHE_HOME/moet/main-job (default ~/.cache/moet/main-job).
 """
@@ -23,9 +26,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "main-job"
-MODEL = CACHE / "qwen3-moe-tiny"
-OUT = CACHE / "qwen3-moe-tiny-moet"
-NAME = "moet-qwen3-moe-tiny"
+MODEL = CACHE / "glm4-moe-tiny"
+OUT = CACHE / "glm4-moe-tiny-moet"
+NAME = "moet-glm4-moe-tiny"
+# GLM-4.5/4.6/4.7: tool calls as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...,
+# reasoning in <think>...</think> (docs/vllm.md)
+PARSER_FLAGS = [
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "glm45",
+    "--reasoning-parser",
+    "glm45",
+]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,  # the arguments follow the schema, not only the call's markup
+    },
+}
 
 
 def step(title: str) -> None:
@@ -67,6 +93,7 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
         "127.0.0.1",
         "--port",
         str(port),
+        *PARSER_FLAGS,
     ]
     step(f"vLLM OpenAI server on 127.0.0.1:{port} (log: {log_path})")
     return subprocess.Popen(
@@ -111,7 +138,11 @@ def ask(port: int) -> None:
         max_tokens=24,
         temperature=0,
     )
-    print(f"   answer: {chat.choices[0].message.content!r}")
+    message = chat.choices[0].message
+    # thinking is on: the glm45 reasoning parser puts what precedes </think> in `reasoning`
+    # (an untrained model never closes it, so that is everything)
+    print(f"   reasoning: {getattr(message, 'reasoning', None)!r}")
+    print(f"   answer:    {message.content!r}")
     print(
         f"   usage:  {chat.usage.prompt_tokens} prompt + {chat.usage.completion_tokens} "
         "completion tokens"
@@ -121,6 +152,48 @@ def ask(port: int) -> None:
         model=NAME, prompt="Mixture-of-Experts models", max_tokens=16, temperature=0
     )
     print(f"   text: {comp.choices[0].text!r}")
+    tool_call(client)
+
+
+def tool_call(client) -> None:
+    from tiny_models import whitespace_token_ids
+
+    step("tool call (named tool_choice)")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
+    first = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=96,
+        temperature=0,
+        # vLLM constrains a forced call after the reasoning, which an untrained model never
+        # ends: thinking off. The strict call's grammar allows unbounded whitespace between its
+        # tags, which an untrained model takes: whitespace tokens banned, so the call must close.
+        logit_bias={str(i): -100 for i in whitespace_token_ids(OUT)},
+        extra_body=no_thinking,
+    )
+    message = first.choices[0].message
+    if not message.tool_calls:
+        sys.exit(f"main job: no tool call came back: {message}")
+    call = message.tool_calls[0]
+    print(f"   tool call: {call.function.name}({call.function.arguments})  id {call.id}")
+    result = "sunny, 21 C"
+    print(f"   tool result: {result!r}")
+    messages += [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": result},
+    ]
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=messages,
+        tools=[WEATHER],
+        max_tokens=16,
+        temperature=0,
+        extra_body=no_thinking,
+    )
+    print(f"   reply: {reply.choices[0].message.content!r}")
 
 
 def tier_summary(log_path: Path) -> None:
@@ -129,7 +202,10 @@ def tier_summary(log_path: Path) -> None:
     step("expert tiers")
     info = open_checkpoint(MODEL).info
     w2 = info.bytes["w2"]
-    print(f"   experts: {len(info.moe_layers)} MoE layers x {info.n_experts}, top-{info.top_k}")
+    mtp = f" ({len(info.mtp_layers)} of them MTP)" if info.mtp_layers else ""
+    print(
+        f"   experts: {len(info.moe_layers)} MoE layers{mtp} x {info.n_experts}, top-{info.top_k}"
+    )
     print(
         f"   W2 expert bytes {w2 / 1e6:.1f} MB (source {info.bytes['source_experts'] / 1e6:.1f}"
         f" MB: {info.bytes['source_experts'] / w2:.1f}x smaller)"
@@ -146,7 +222,7 @@ def main() -> int:
     from tiny_models import write_tiny_model  # the default model until the trained fixture
 
     step(f"model: {MODEL}")
-    write_tiny_model("qwen3_moe", MODEL)
+    write_tiny_model("glm4_moe", MODEL)
     moet("inspect", str(MODEL))
     moet("convert", str(MODEL), str(OUT))
     port = free_port()

@@ -496,6 +496,20 @@ def write_tokenizer(
     )
 
 
+def whitespace_token_ids(model_dir: str | os.PathLike) -> list[int]:
+    """Ids of the tokens of `model_dir`'s tokenizer whose text holds whitespace. A client bans
+    them (logit_bias -100) so that a random model cannot pad a grammar's unbounded optional
+    whitespace (the forced GLM tool call in test_vllm_openai.py and the main job)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return [
+        i
+        for i in range(tok.get_vocab_size())
+        if any(c.isspace() for c in tok.decode([i], skip_special_tokens=False))
+    ]
+
+
 # --- writing -------------------------------------------------------------------------------------
 
 
