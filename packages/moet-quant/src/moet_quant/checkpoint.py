@@ -83,6 +83,37 @@ class ProjectionSource:
         return self._fp4x()
 
 
+# tensor suffixes of one projection; a group with any of QUANTIZED_PARTS is quantized
+DENSE_PARTS = (
+    "weight",
+    "weight_scale",
+    "weight_scale_inv",
+    "weight_scale_2",
+    "input_scale",
+    "weight_packed",
+    "weight_shape",
+    "weight_zero_point",
+    "weight_g_idx",
+)
+QUANTIZED_PARTS = {"weight_scale", "weight_scale_inv", "weight_packed"}
+
+
+@dataclass
+class DenseProjection:
+    """One quantized dense projection (attention, shared expert, dense MLP), shape [N, K]."""
+
+    base: str  # e.g. "model.layers.0.self_attn.q_proj"
+    fmt: str
+    shape: tuple[int, int]
+    tensors: tuple[str, ...]
+    _load: Callable[[], formats.Encoded | np.ndarray] = field(repr=False)
+
+    def dequant(self) -> np.ndarray:
+        """The exact float64 weight [N, K]."""
+        src = self._load()
+        return src if isinstance(src, np.ndarray) else src.dequant()
+
+
 @dataclass
 class CheckpointInfo:
     path: str
@@ -225,135 +256,12 @@ class Checkpoint:
     def _per_expert_source(
         self, key: ExpertKey, moe: str, base: str, parts: dict[str, str]
     ) -> ProjectionSource:
-        st = self.st
-        names = tuple(parts.values())
-        nbytes = sum(st.info(n).nbytes for n in names)
-        found = ", ".join(
-            f"{s} {st.info(n).dtype}{list(st.info(n).shape)}" for s, n in parts.items()
+        fmt, shape, load, fp4x = decode_projection(
+            self.path, self.st, self.source_qconfig, base, parts, "expert tensor"
         )
-
-        def unsupported() -> CheckpointError:
-            return CheckpointError(
-                f"{self.path}: expert tensor {base} has an unsupported format "
-                f"({found}); supported expert formats: {SUPPORTED_TEXT}"
-            )
-
-        if "weight_packed" in parts:
-            wp = st.info(parts["weight_packed"])
-            if "weight_scale" not in parts or wp.dtype != "I32" or len(wp.shape) != 2:
-                raise unsupported()
-            group = self._int4_group(base)
-            n, k = wp.shape[0], wp.shape[1] * 8
-            if "weight_shape" in parts:
-                shp = st.array(parts["weight_shape"]).reshape(-1)
-                n, k = int(shp[0]), int(shp[1])
-
-            def load_int4():
-                sc = st.info(parts["weight_scale"])
-                return formats.from_int4_packed(
-                    st.array(parts["weight_packed"]),
-                    formats.scale_to_f64(st.array(sc.name), sc.dtype),
-                    (n, k),
-                    group,
-                    base,
-                )
-
-            return ProjectionSource(key, moe, "int4-pack", (n, k), names, nbytes, load_int4)
-        if "weight" not in parts:
-            raise unsupported()
-        w = st.info(parts["weight"])
-        if len(w.shape) != 2:
-            raise CheckpointError(
-                f"{self.path}: expert tensor {w.name} has shape {list(w.shape)}, "
-                "expected a 2-D [N, K] weight"
-            )
-        n, k = w.shape
-        extra = set(parts) - {"weight", "input_scale"}
-        if w.dtype in FLOAT_SOURCES and not extra:
-            fmt, loader = FLOAT_SOURCES[w.dtype]
-            return ProjectionSource(
-                key, moe, fmt, (n, k), names, nbytes, lambda: loader(st.array(w.name), base)
-            )
-        if w.dtype == "F8_E4M3" and extra == {"weight_scale_inv"}:
-            block = tuple((self.source_qconfig or {}).get("weight_block_size") or (128, 128))
-            return ProjectionSource(
-                key,
-                moe,
-                "fp8-block",
-                (n, k),
-                names,
-                nbytes,
-                lambda: formats.from_fp8_block(
-                    st.array(w.name), st.array(parts["weight_scale_inv"]), block, base
-                ),
-            )
-        if w.dtype == "F8_E4M3" and extra == {"weight_scale"}:
-            s = st.info(parts["weight_scale"])
-            if len(s.shape) == 4:
-                return ProjectionSource(
-                    key,
-                    moe,
-                    "fp8-pb-wo",
-                    (n, k),
-                    names,
-                    nbytes,
-                    lambda: formats.from_fp8_block(
-                        st.array(w.name), st.array(s.name), (128, 128), base
-                    ),
-                )
-            if int(np.prod(s.shape)) in (1, n):
-                return ProjectionSource(
-                    key,
-                    moe,
-                    "fp8-tensor",
-                    (n, k),
-                    names,
-                    nbytes,
-                    lambda: formats.from_fp8_tensor(
-                        st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base
-                    ),
-                )
-            raise unsupported()
-        if (
-            w.dtype == "U8"
-            and extra == {"weight_scale", "weight_scale_2"}
-            and st.info(parts["weight_scale"]).dtype == "F8_E4M3"
-        ):
-            k = 2 * k
-
-            def load_nvfp4():
-                return formats.from_nvfp4(
-                    st.array(w.name),
-                    st.array(parts["weight_scale"]),
-                    st.array(parts["weight_scale_2"]),
-                    base,
-                )
-
-            def fp4x_nvfp4():
-                load_nvfp4()  # validates
-                return {
-                    "codes": np.array(st.array(w.name)),
-                    "scales": np.array(st.array(parts["weight_scale"])),
-                    "scale_2": np.array(st.array(parts["weight_scale_2"]), dtype=np.float32),
-                }
-
-            return ProjectionSource(
-                key, moe, "nvfp4", (n, k), names, nbytes, load_nvfp4, fp4x_nvfp4
-            )
-        raise unsupported()
-
-    def _int4_group(self, base: str) -> int:
-        qc = self.source_qconfig or {}
-        for grp in (qc.get("config_groups") or {}).values():
-            wq = (grp or {}).get("weights") or {}
-            if wq.get("num_bits", 4) != 4 or wq.get("symmetric", True) is not True:
-                raise CheckpointError(
-                    f"{self.path}: {base}: compressed-tensors weights with "
-                    f"num_bits={wq.get('num_bits')} symmetric={wq.get('symmetric')}; "
-                    "only 4-bit symmetric pack-quantized is supported"
-                )
-            return int(wq.get("group_size") or 32)
-        return 32
+        names = tuple(parts.values())
+        nbytes = sum(self.st.info(n).nbytes for n in names)
+        return ProjectionSource(key, moe, fmt, shape, names, nbytes, load, fp4x)
 
     def _fused_sources(self, base: str, g: dict) -> list[ProjectionSource]:
         st, parts, layer = self.st, g["parts"], g["layer"]
@@ -528,6 +436,151 @@ class Checkpoint:
 
     def close(self) -> None:
         self.st.close()
+
+
+def decode_projection(
+    path: Path, st: ShardedSafetensors, qc: dict | None, base: str, parts: dict[str, str], what: str
+):
+    """-> (format, (N, K), load, fp4x or None) of one projection from its tensors (suffix ->
+    name), for routed experts and dense projections alike; `qc` is the checkpoint's
+    quantization_config."""
+    found = ", ".join(f"{s} {st.info(n).dtype}{list(st.info(n).shape)}" for s, n in parts.items())
+
+    def unsupported() -> CheckpointError:
+        return CheckpointError(
+            f"{path}: {what} {base} has an unsupported format "
+            f"({found}); supported formats: {SUPPORTED_TEXT}"
+        )
+
+    if "weight_packed" in parts:
+        wp = st.info(parts["weight_packed"])
+        if "weight_scale" not in parts or wp.dtype != "I32" or len(wp.shape) != 2:
+            raise unsupported()
+        if set(parts) - {"weight_packed", "weight_scale", "weight_shape"}:
+            raise unsupported()  # e.g. asymmetric (weight_zero_point) or act-order
+        group = _int4_group(path, qc, base)
+        n, k = wp.shape[0], wp.shape[1] * 8
+        if "weight_shape" in parts:
+            shp = st.array(parts["weight_shape"]).reshape(-1)
+            n, k = int(shp[0]), int(shp[1])
+
+        def load_int4():
+            sc = st.info(parts["weight_scale"])
+            return formats.from_int4_packed(
+                st.array(parts["weight_packed"]),
+                formats.scale_to_f64(st.array(sc.name), sc.dtype),
+                (n, k),
+                group,
+                base,
+            )
+
+        return "int4-pack", (n, k), load_int4, None
+    if "weight" not in parts:
+        raise unsupported()
+    w = st.info(parts["weight"])
+    if len(w.shape) != 2:
+        raise CheckpointError(
+            f"{path}: {what} {w.name} has shape {list(w.shape)}, expected a 2-D [N, K] weight"
+        )
+    n, k = w.shape
+    extra = set(parts) - {"weight", "input_scale"}
+    if w.dtype in FLOAT_SOURCES and not extra:
+        fmt, loader = FLOAT_SOURCES[w.dtype]
+        return fmt, (n, k), lambda: loader(st.array(w.name), base), None
+    if w.dtype == "F8_E4M3" and extra == {"weight_scale_inv"}:
+        block = tuple((qc or {}).get("weight_block_size") or (128, 128))
+        return (
+            "fp8-block",
+            (n, k),
+            lambda: formats.from_fp8_block(
+                st.array(w.name), st.array(parts["weight_scale_inv"]), block, base
+            ),
+            None,
+        )
+    if w.dtype == "F8_E4M3" and extra == {"weight_scale"}:
+        s = st.info(parts["weight_scale"])
+        if len(s.shape) == 4:
+            return (
+                "fp8-pb-wo",
+                (n, k),
+                lambda: formats.from_fp8_block(
+                    st.array(w.name), st.array(s.name), (128, 128), base
+                ),
+                None,
+            )
+        if int(np.prod(s.shape)) in (1, n):
+            return (
+                "fp8-tensor",
+                (n, k),
+                lambda: formats.from_fp8_tensor(
+                    st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base
+                ),
+                None,
+            )
+        raise unsupported()
+    if (
+        w.dtype == "U8"
+        and extra == {"weight_scale", "weight_scale_2"}
+        and st.info(parts["weight_scale"]).dtype == "F8_E4M3"
+    ):
+
+        def load_nvfp4():
+            return formats.from_nvfp4(
+                st.array(w.name),
+                st.array(parts["weight_scale"]),
+                st.array(parts["weight_scale_2"]),
+                base,
+            )
+
+        def fp4x_nvfp4():
+            load_nvfp4()  # validates
+            return {
+                "codes": np.array(st.array(w.name)),
+                "scales": np.array(st.array(parts["weight_scale"])),
+                "scale_2": np.array(st.array(parts["weight_scale_2"]), dtype=np.float32),
+            }
+
+        return "nvfp4", (n, 2 * k), load_nvfp4, fp4x_nvfp4
+    raise unsupported()
+
+
+def _int4_group(path: Path, qc: dict | None, base: str) -> int:
+    qc = qc or {}
+    for grp in (qc.get("config_groups") or {}).values():
+        wq = (grp or {}).get("weights") or {}
+        if wq.get("num_bits", 4) != 4 or wq.get("symmetric", True) is not True:
+            raise CheckpointError(
+                f"{path}: {base}: compressed-tensors weights with "
+                f"num_bits={wq.get('num_bits')} symmetric={wq.get('symmetric')}; "
+                "only 4-bit symmetric pack-quantized is supported"
+            )
+        return int(wq.get("group_size") or 32)
+    return 32
+
+
+def dense_projections(path: str | os.PathLike) -> dict[str, DenseProjection]:
+    """Every quantized projection of a checkpoint that is not a routed expert (attention, shared
+    experts, dense MLPs), by base name: what a server dequantizes where it cannot run the
+    checkpoint's own method. Works on moet checkpoints too (their dense tensors are the source's,
+    described by `source_quantization_config`)."""
+    path = Path(path)
+    qc = read_config(path).get("quantization_config") or {}
+    if qc.get("quant_method") == "moet":
+        qc = qc.get("source_quantization_config") or {}
+    st = ShardedSafetensors(path)
+    groups: dict[str, dict[str, str]] = defaultdict(dict)
+    for name in st.names():
+        if classify(name)[1] is not None:
+            continue  # routed experts
+        base, _, suffix = name.rpartition(".")
+        if suffix in DENSE_PARTS:
+            groups[base][suffix] = name
+    out = {}
+    for base, parts in sorted(groups.items()):
+        if parts.keys() & QUANTIZED_PARTS:
+            fmt, shape, load, _ = decode_projection(path, st, qc, base, parts, "dense tensor")
+            out[base] = DenseProjection(base, fmt, shape, tuple(parts.values()), load)
+    return out
 
 
 def open_checkpoint(path: str | os.PathLike, revision: str | None = None) -> Checkpoint:

@@ -119,7 +119,7 @@ def int4_pack(w: np.ndarray, group: int = 32) -> tuple[np.ndarray, np.ndarray]:
 # --- checkpoints --------------------------------------------------------------------------------
 
 
-def _proj_tensors(prefix: str, w: np.ndarray, fmt: str) -> list[tuple[str, str, np.ndarray]]:
+def projection_tensors(prefix: str, w: np.ndarray, fmt: str) -> list[tuple[str, str, np.ndarray]]:
     """(name, dtype, array) for one per-expert projection stored in `fmt`."""
     if fmt == "bf16":
         return [(f"{prefix}.weight", "BF16", f64_to_bf16_bits(w))]
@@ -248,7 +248,7 @@ def write_checkpoint(
             continue
         for e in range(n_experts):
             for nm, (n, k) in zip(names, ((inter, hidden), (inter, hidden), (hidden, inter))):
-                tensors.extend(_proj_tensors(f"{p}.{moe}.experts.{e}.{nm}", weight(n, k), fmt))
+                tensors.extend(projection_tensors(f"{p}.{moe}.experts.{e}.{nm}", weight(n, k), fmt))
     tensors.append(("lm_head.weight", "BF16", f64_to_bf16_bits(weight(128, hidden))))
 
     # shard by cumulative size, in order

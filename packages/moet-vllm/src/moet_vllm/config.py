@@ -37,6 +37,7 @@ class MoetConfig:
     fp4_tier: str = "none"
     # -- how they are computed and cached --
     compute: str = "auto"  # auto: CUDA kernels when available, else the exact torch reference
+    dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load
     pack_cache: bool = True  # persistent quantization cache (moet-store packs)
     cache_dir: str | None = None  # default: $XDG_CACHE_HOME/moet
     # -- checkpoint metadata (read from the checkpoint, never set by users) --
@@ -53,8 +54,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "mode": w2.MODES,
     "fp4_tier": FP4_TIERS,
     "compute": ("auto", "exact", "kernel"),
+    "dense": ("auto", "checkpoint", "dequantize"),
 }
-USER_FIELDS = ("zero_mode", "mode", "fp4_tier", "compute", "pack_cache", "cache_dir")
+USER_FIELDS = ("zero_mode", "mode", "fp4_tier", "compute", "dense", "pack_cache", "cache_dir")
 CHECKPOINT_FIELDS = USER_FIELDS + (
     "format",
     "modules_not_converted",

@@ -38,6 +38,7 @@ from moet_kernels.reference import w2_moe_reference
 from . import compat
 from .compat import MoetVllmError
 from .config import MoetConfig, resolve
+from .dense import DenseDequantizer, dense_method
 from .experts import ExpertSource
 from .packcache import ExpertPackCache
 
@@ -48,7 +49,6 @@ PARAMS = {  # RowLayout section -> parameter name
     "w2_codes": "w2_w2_codes",
     "w2_scales": "w2_w2_scales",
 }
-FLOAT_SOURCES = ("bf16", "fp16", "fp32")
 
 
 def _layer_index(name: str) -> int:
@@ -198,6 +198,17 @@ class MoetQuantConfig(QuantizationConfig):
         self.checkpoint_qc = dict(checkpoint_qc or {})
         self._cfg: MoetConfig | None = None
         self._session: MoetLoadSession | None = None
+        # the checkpoint's own method for its quantized dense layers (MoetConfig.dense), built
+        # now so that vLLM's model-structure updates below reach it too
+        self.dense_qc = (
+            self.checkpoint_qc.get("source_quantization_config")
+            if self.is_moet_checkpoint
+            else self.checkpoint_qc
+        ) or None
+        self.dense: QuantizationConfig | None = None
+        self.dense_policy = "none"  # set at boot: "checkpoint" or "dequantize" when dense is set
+        if dense_method(self.dense_qc):
+            self.dense = compat.checkpoint_quant_config(self.dense_qc)
         # before the model is built: vLLM binds each RoPE module's forward at construction
         compat.fix_cpu_rope_for_3d_inputs()
 
@@ -235,13 +246,25 @@ class MoetQuantConfig(QuantizationConfig):
             return "moet"
         return None
 
-    def get_quant_method(self, layer, prefix: str):
-        if isinstance(layer, RoutedExperts):
-            from vllm.config import get_current_vllm_config
+    def apply_vllm_mapper(self, hf_to_vllm_mapper):
+        if self.dense is not None:
+            self.dense.apply_vllm_mapper(hf_to_vllm_mapper)
 
-            # validated at boot, in the process that builds the model
-            self.config(getattr(get_current_vllm_config(), "additional_config", None))
+    def maybe_update_config(self, model_name, hf_config=None, revision=None):
+        if self.dense is not None:
+            self.dense.maybe_update_config(model_name, hf_config, revision)
+
+    def get_quant_method(self, layer, prefix: str):
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        # validated at boot, in the process that builds the model
+        self.config(getattr(vllm_config, "additional_config", None), vllm_config.model_config)
+        if isinstance(layer, RoutedExperts):
             return MoetMoEMethod(layer.moe_config, self, prefix)
+        if self.dense_policy == "checkpoint":
+            self.dense.packed_modules_mapping = self.packed_modules_mapping
+            return self.dense.get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
@@ -251,20 +274,15 @@ class MoetQuantConfig(QuantizationConfig):
     def is_moet_checkpoint(self) -> bool:
         return self.checkpoint_qc.get("quant_method") == "moet"
 
-    def config(self, additional_config: dict | None = None) -> MoetConfig:
-        """The resolved MoetConfig; the first call (at boot, with vLLM's --additional-config)
-        fixes it."""
+    def config(self, additional_config: dict | None = None, model_config=None) -> MoetConfig:
+        """The resolved MoetConfig; the first call (at boot, with vLLM's --additional-config and
+        model config) fixes it and sets up the dense layers."""
         if self._cfg is None:
-            source_method = self.checkpoint_qc.get("quant_method")
-            if source_method not in (None, "moet"):
-                raise MoetVllmError(
-                    f"--quantization moet on a checkpoint quantized with {source_method!r}: this "
-                    f"moet version re-quantizes unquantized (bf16/fp16/fp32) checkpoints at load; "
-                    f"convert this one first with `moet convert` and serve the result"
-                )
             qc = self.checkpoint_qc if self.is_moet_checkpoint else None
-            self._cfg = resolve(qc, additional_config or {})
+            cfg = resolve(qc, additional_config or {})
             compat.skip_routed_expert_tensors(not self.is_moet_checkpoint)
+            self._cfg = cfg
+            self.dense_policy = self._dense_policy(cfg, model_config)
             origin = "a moet checkpoint" if self.is_moet_checkpoint else "re-quantization at load"
             log.info(
                 "moet: routed experts as %s from %s; compute: exact torch reference; all "
@@ -273,6 +291,36 @@ class MoetQuantConfig(QuantizationConfig):
                 origin,
             )
         return self._cfg
+
+    def _dense_policy(self, cfg: MoetConfig, model_config) -> str:
+        """'checkpoint' or 'dequantize' for a checkpoint with quantized dense layers, else 'none'
+        (see dense.py); installs the load-time dequantizer when it is needed."""
+        method = dense_method(self.dense_qc)
+        if method is None:
+            return "none"
+        policy = cfg.dense
+        if policy == "auto":
+            policy = (
+                "checkpoint" if compat.platform_runs(self.dense, model_config) else "dequantize"
+            )
+        if policy == "checkpoint":
+            log.info("moet: dense layers run the checkpoint's own method %r", method)
+            return policy
+        dequantizer = DenseDequantizer(model_config.model)
+        if dequantizer:
+            compat.rewrite_loaded_weights(dequantizer)
+            log.info(
+                "moet: dense layers of this %r checkpoint (%d projections, %s) are dequantized "
+                "exactly to %s at load: %s",
+                method,
+                len(dequantizer.projections),
+                "/".join(dequantizer.formats),
+                str(model_config.dtype).removeprefix("torch."),
+                "asked for (dense='dequantize')"
+                if cfg.dense == "dequantize"
+                else "vLLM does not run that method here",
+            )
+        return policy
 
     def load_session(self, layer) -> MoetLoadSession | None:
         """The shared expert source for an official checkpoint (None for a moet checkpoint)."""
@@ -284,9 +332,4 @@ class MoetQuantConfig(QuantizationConfig):
             model = get_current_vllm_config().model_config.model
             moe = layer.moe_config
             self._session = MoetLoadSession(self.config(), model, moe.tp_rank, moe.tp_size)
-            if self._session.source.source_format not in FLOAT_SOURCES:
-                raise MoetVllmError(
-                    f"{model}: experts in {self._session.source.source_format} are re-quantized "
-                    "only through `moet convert` in this version; convert the checkpoint first"
-                )
         return self._session

@@ -1,0 +1,75 @@
+"""Shared by the end-to-end tests: run vLLM in its own process, and the transformers reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moet_kernels.reference import w2_dequant
+from moet_quant.checkpoint import dense_projections
+from moet_vllm.config import resolve
+from moet_vllm.experts import ExpertSource
+
+HERE = Path(__file__).parent
+
+
+def run_vllm(
+    model, tmp_path, name, quantization=None, env=None, mtp=0, attention=None, dtype=None
+) -> dict:
+    """vllm_driver.py in a subprocess -> {"tokens", "init_seconds", "spec_decode", "log"}."""
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(HERE / "vllm_driver.py"), str(model), str(out)]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if quantization:
+        cmd += ["--quantization", quantization]
+    if mtp:
+        cmd += ["--mtp", str(mtp)]
+    if attention:
+        cmd += ["--attention-backend", attention]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    result = json.loads(out.read_text())
+    result["log"] = r.stdout + r.stderr
+    return result
+
+
+def hf_reference_tokens(
+    model_dir: Path, experts_dir: Path, dense_dir: Path | None = None
+) -> list[list[int]]:
+    """transformers (float32) running `model_dir` (an unquantized checkpoint) with every routed
+    expert replaced by the W2 dequantization of `experts_dir`'s experts and, with `dense_dir`,
+    every quantized dense projection of `dense_dir` by its exact dequantization."""
+    from transformers import AutoModelForCausalLM
+    from vllm_driver import MAX_TOKENS, PROMPTS
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    src = ExpertSource.open(experts_dir, resolve(None, None, {}))
+    params = dict(m.named_parameters())
+    dense = dense_projections(dense_dir) if dense_dir else {}
+    with torch.no_grad():
+        for base, proj in dense.items():
+            params[f"{base}.weight"].copy_(torch.from_numpy(proj.dequant()))
+        for layer in src.moe_layers:
+            if layer >= len(m.model.layers):  # an MTP layer: transformers has none
+                continue
+            s = {k: torch.from_numpy(v) for k, v in src.layer(layer).items()}
+            experts = m.model.layers[layer].mlp.experts
+            experts.gate_up_proj.copy_(w2_dequant(s["w13_codes"], s["w13_scales"]))
+            experts.down_proj.copy_(w2_dequant(s["w2_codes"], s["w2_scales"]))
+    src.close()
+    out = []
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        gen = m.generate(
+            ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+        out.append(gen[0, len(p) :].tolist())
+    return out
