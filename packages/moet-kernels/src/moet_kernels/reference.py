@@ -18,6 +18,8 @@ kernels' activation quantization) comes with the kernels, whose quantization it 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 LEVELS = (-4.0, -1.0, 1.0, 4.0)  # by 2-bit code
@@ -134,4 +136,87 @@ def w2_moe_reference(
     return out
 
 
-__all__ = ["BLOCK", "LEVELS", "MODES", "w2_dequant", "w2_moe_reference"]
+SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer turns router logits into top-k experts and weights.
+
+    scoring: "softmax" (Qwen3, Mixtral) or "sigmoid" (GLM-4.5, DeepSeek-V3); with
+    `n_group` > 1 the experts are split into `n_group` equal groups and only the best `topk_group`
+    groups compete (a group's score: the sum of its two best biased scores when there is a
+    correction bias, else its best score); the correction bias steers selection only, the weights
+    are the unbiased scores; `renormalize` makes the k weights sum to 1; `scaling` multiplies them
+    last (DeepSeek's routed_scaling_factor).
+    """
+
+    top_k: int
+    scoring: str = "softmax"
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ValueError(f"scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        if self.top_k < 1 or self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(
+                f"need top_k >= 1 and 1 <= topk_group <= n_group, got top_k={self.top_k}, "
+                f"n_group={self.n_group}, topk_group={self.topk_group}"
+            )
+
+
+def route_reference(
+    logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_weights float32 [T, k], topk_ids int64 [T, k]).
+
+    Computed in float32 whatever the logits' dtype (float64 logits: in float64, the oracle's
+    precision). Ties between equal scores go to the lower expert id.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got {tuple(logits.shape)}")
+    t, e = logits.shape
+    if e % routing.n_group or routing.top_k > e:
+        raise ValueError(f"{e} experts do not fit {routing}")
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    z = logits.to(dtype)
+    scores = torch.softmax(z, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(z)
+    select = scores if correction_bias is None else scores + correction_bias.to(dtype)
+    if routing.n_group > 1:
+        grouped = select.view(t, routing.n_group, e // routing.n_group)
+        if correction_bias is None:
+            group_score = grouped.max(dim=-1).values
+        else:
+            group_score = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = _topk_ids(group_score, routing.topk_group)
+        mask = torch.zeros(t, routing.n_group, dtype=torch.bool, device=logits.device)
+        mask.scatter_(1, keep, True)
+        mask = mask.repeat_interleave(e // routing.n_group, dim=1)
+        select = select.masked_fill(~mask, float("-inf"))
+    ids = _topk_ids(select, routing.top_k)
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * routing.scaling
+    return weights.to(torch.float32) if dtype == torch.float32 else weights, ids
+
+
+def _topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row, ties to the lower index (a stable descending
+    sort: torch.topk leaves tie order unspecified)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+__all__ = [
+    "BLOCK",
+    "LEVELS",
+    "MODES",
+    "SCORINGS",
+    "Routing",
+    "route_reference",
+    "w2_dequant",
+    "w2_moe_reference",
+]

@@ -12,8 +12,9 @@ Where the experts come from:
   loading each MoE layer reads its experts through `experts.ExpertSource` (exact re-quantization
   by moet-quant), or from the persistent pack cache when an earlier boot wrote it.
 
-Compute: `apply` receives vLLM's routing (top-k ids and weights) and runs moet-kernels' torch
-reference in `exact` mode (the CPU path and the GPU kernels' oracle).
+Routing and compute (monolithic): `apply_monolithic` receives the router logits, routes with
+moet-kernels' `route_reference` and runs its torch MoE reference in `exact` mode (the CPU path
+and the GPU kernels' oracle).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from moet_kernels.reference import w2_moe_reference
+from moet_kernels.reference import Routing, route_reference, w2_moe_reference
 
 from . import compat
 from .compat import MoetVllmError
@@ -120,6 +121,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         super().__init__(moe_config)
         self.quant_config = quant_config
         self.model_layer = _layer_index(prefix)
+        self.routing: Routing | None = None  # from the layer, once it is loaded
 
     def create_weights(
         self,
@@ -159,6 +161,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
         return FusedMoEQuantConfig.make()
 
     def process_weights_after_loading(self, layer) -> None:
+        self.routing = routing_of(layer)  # refused here, at load, if moet cannot route it
         session = self.quant_config.load_session(layer)
         if session is None:
             return  # a moet checkpoint: the parameters were streamed in
@@ -175,18 +178,52 @@ class MoetMoEMethod(FusedMoEMethodBase):
                     )
                 param.copy_(src)
 
-    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
-        ids = topk_ids.long()
-        if layer.expert_map is not None:  # expert parallel: global -> local ids
-            ids = layer.expert_map[ids]
+    # monolithic: moet owns routing and compute (the GPU route op will also write the miss counter
+    # of tiered residency), so vLLM hands over the router logits, not its top-k choice
+    @property
+    def is_monolithic(self) -> bool:
+        return True
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        weights, ids = route_reference(router_logits, self.routing, layer.e_score_correction_bias)
         out = w2_moe_reference(
             x,
             ids,
-            topk_weights,
+            weights,
             (layer.w13_w2_codes, layer.w13_w2_scales),
             (layer.w2_w2_codes, layer.w2_w2_scales),
         )
         return out.to(x.dtype)
+
+
+def routing_of(layer) -> Routing:
+    """The routing of a vLLM MoE layer, refused clearly where moet does not implement it."""
+    moe = layer.moe_config
+    unsupported = {
+        "a custom routing function": layer.custom_routing_function is not None,
+        "router weights applied on the input": layer.apply_router_weight_on_input,
+        "hash routing": getattr(moe, "has_hash_routing", False),
+        "expert biases": getattr(moe, "has_bias", False),
+        "a clamped SwiGLU (swiglu_limit)": layer.swiglu_limit is not None,
+        f"activation {moe.activation.value!r}": moe.activation.value != "silu",
+        "expert parallelism": layer.expert_map is not None,
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise MoetVllmError(
+            f"{layer.layer_name}: moet's MoE method does not support {', '.join(found)}; "
+            "supported: softmax or sigmoid (+ correction bias, grouped) top-k routing with "
+            "SiLU-gated experts, tensor parallel (serve this model without --quantization moet)"
+        )
+    grouped = bool(layer.use_grouped_topk and (layer.num_expert_group or 1) > 1)
+    return Routing(
+        top_k=layer.top_k,
+        scoring=layer.scoring_func,
+        renormalize=bool(layer.renormalize),
+        n_group=layer.num_expert_group if grouped else 1,
+        topk_group=layer.topk_group if grouped else 1,
+        scaling=float(layer.routed_scaling_factor),
+    )
 
 
 class MoetQuantConfig(QuantizationConfig):

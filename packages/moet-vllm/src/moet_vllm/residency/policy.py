@@ -1,0 +1,296 @@
+"""The serving cache policy of the GPU expert pool: promotion/eviction by decayed frequency.
+
+One pool of ``n_slots`` expert slots is shared by every MoE layer (design.md, "Residency and
+replay"). A key is one (moe_layer, expert) pair, carried as a flat id ``moe_layer * n_experts +
+expert`` (:func:`key_ids`, :func:`key_pairs`). The policy mirrors the device ``slot_table``
+(int32 [moe_layers, n_experts], -1 = not resident) on the host and decides, between two forward
+passes, which rows to fetch into which slots and which keys give their slots up. It never touches
+memory: the residency manager copies the rows and publishes the slot table.
+
+A step, as the manager drives it::
+
+    plan = policy.plan(routed, scan=prefill)  # pure: what the step needs, nothing changes yet
+    #   evictions: slot_table[l, e] = -1; fetches: copy the row into pool[slot], then
+    #   slot_table[l, e] = slot; a failed copy publishes nothing and the plan is simply dropped
+    policy.commit(plan)                       # the host mirror follows the published table
+    policy.observe(decode_routed)             # once per step, after its last forward pass
+
+:meth:`ResidencyPolicy.step` does the three at once (the simulator, tests). Rules:
+
+- **Demand only.** A key enters the pool when a step routes it and it is missing (the step then
+  replays with it resident); nothing is prefetched. Free slots are used first, lowest index first.
+- **Pins.** Every key routed by the current step (decode and scan alike, and for a second-order
+  replay the union of the step's passes) is pinned: it is never a victim while the step runs.
+- **Victims** are the resident, unpinned keys with the lowest decayed frequency; ties go to the
+  least recently used, then to the lowest key id. The same inputs always give the same plan.
+- **Scans.** Prefill keys (``scan``) fill free slots, then may evict only *probation* keys: those
+  outside the decode hot set, the ``protected_fraction`` of the pool with the highest decayed
+  frequency. A scan never evicts the hot set; scan keys that find no room come back in
+  ``Plan.unplaced`` (the manager splits the chunk or serves it without caching). Scans do not
+  raise frequencies: a prefill chunk touches most experts once and would flatten the scores.
+
+Decayed frequency: after each step every score is multiplied by ``decay = 2 ** (-1 / half_life)``
+and each key gets +1 per token of the step that routed it, so a key's score is the number of its
+routings with a weight halving every ``half_life`` steps (the LRFU family: a half-life of 0 is
+LRU, an infinite one LFU). The default half-life, :data:`DEFAULT_HALF_LIFE_STEPS`, was chosen on
+the policy simulator (docs/residency.md): long enough that an expert routed every few dozen steps
+outranks one routed once in a burst, short enough to follow a topic change within a few hundred
+tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Steps after which a routing counts half (docs/residency.md: the simulator's sweep).
+DEFAULT_HALF_LIFE_STEPS = 64.0
+#: Share of the pool (the hottest resident keys) that a scan may never evict.
+DEFAULT_PROTECTED_FRACTION = 0.8
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def key_ids(moe_layers: np.ndarray, experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """Flat key ids (int64) of (moe_layer, expert) pairs."""
+    return np.asarray(moe_layers, dtype=np.int64) * n_experts + np.asarray(experts, np.int64)
+
+
+def key_pairs(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """int64 [n, 2] (moe_layer, expert) of flat key ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return np.stack([ids // n_experts, ids % n_experts], axis=1)
+
+
+def routed_keys(topk_ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """Flat key ids (int64, one per routing) of routed expert ids ``[tokens, moe_layers, top_k]``.
+
+    Duplicates are kept: :meth:`ResidencyPolicy.observe` counts a key once per token that routes
+    it; :meth:`ResidencyPolicy.plan` de-duplicates.
+    """
+    topk_ids = np.asarray(topk_ids)
+    if topk_ids.ndim != 3:
+        raise ValueError(f"routed expert ids must be [tokens, moe_layers, top_k], got {topk_ids.shape}")
+    layer = np.arange(topk_ids.shape[1], dtype=np.int64)[None, :, None]
+    return (layer * n_experts + topk_ids.astype(np.int64)).ravel()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What changes in the pool between two forward passes.
+
+    Apply ``evict`` (slot_table[l, e] = -1), copy each ``fetch`` row into ``pool[slot]`` (one
+    batched H2D copy), then publish ``slot_table[l, e] = slot`` for the fetches. ``fetch_slots``
+    reuse free slots and the slots of ``evict_keys``. ``unplaced_keys`` are scan keys that found no
+    free or probation slot (never decode keys). ``version`` ties the plan to the policy state it was
+    computed from: :meth:`ResidencyPolicy.commit` refuses a stale plan.
+    """
+
+    fetch_keys: np.ndarray = field(default_factory=lambda: _EMPTY)
+    fetch_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
+    evict_keys: np.ndarray = field(default_factory=lambda: _EMPTY)
+    evict_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
+    unplaced_keys: np.ndarray = field(default_factory=lambda: _EMPTY)
+    version: int = 0
+
+    @property
+    def n_missing(self) -> int:
+        """Routed keys that were not resident at the start of the step."""
+        return len(self.fetch_keys) + len(self.unplaced_keys)
+
+    @property
+    def replay(self) -> bool:
+        """Whether the step's first forward pass missed (it must be replayed)."""
+        return self.n_missing > 0
+
+
+def lowest(cands: np.ndarray, n: int, *orders: np.ndarray) -> np.ndarray:
+    """The ``n`` candidate ids that sort first by ``orders[0][id]``, then ``orders[1][id]``, ...,
+    then by id; in that order. ``cands`` must be sorted ascending. O(len(cands)) plus a sort of the
+    ties at the cut."""
+    if n <= 0:
+        return _EMPTY
+    first = orders[0][cands]
+    if n < len(cands):
+        cut = np.partition(first, n - 1)[n - 1]
+        keep = first <= cut
+        cands, first = cands[keep], first[keep]
+    # lexsort: last key is primary; ids break the remaining ties
+    order = np.lexsort((cands, *(o[cands] for o in reversed(orders[1:])), first))
+    return cands[order[:n]]
+
+
+class ResidencyPolicy:
+    """Slot assignment and decayed-frequency eviction for one pool shared by all MoE layers.
+
+    ``slot_table`` (int32 [moe_layers, n_experts], -1 = not resident) and ``slot_keys`` (int64
+    [n_slots], -1 = free) are the host mirror of the device tables after the last commit.
+    """
+
+    def __init__(
+        self,
+        n_slots: int,
+        moe_layers: int,
+        n_experts: int,
+        *,
+        half_life_steps: float = DEFAULT_HALF_LIFE_STEPS,
+        protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
+    ) -> None:
+        if n_slots < 1 or moe_layers < 1 or n_experts < 1:
+            raise ValueError("n_slots, moe_layers and n_experts must be >= 1")
+        if not half_life_steps > 0:
+            raise ValueError(f"half_life_steps must be > 0, got {half_life_steps}")
+        if not 0.0 <= protected_fraction <= 1.0:
+            raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
+        self.n_slots = int(n_slots)
+        self.moe_layers = int(moe_layers)
+        self.n_experts = int(n_experts)
+        self.half_life_steps = float(half_life_steps)
+        self.decay = 2.0 ** (-1.0 / self.half_life_steps)
+        self.protected_fraction = float(protected_fraction)
+        n_keys = self.moe_layers * self.n_experts
+        self.slot_table = np.full((self.moe_layers, self.n_experts), -1, dtype=np.int32)
+        self.slot_keys = np.full(self.n_slots, -1, dtype=np.int64)
+        self.score = np.zeros(n_keys, dtype=np.float64)  # decayed routings (decode only)
+        self.last_use = np.full(n_keys, -1, dtype=np.int64)  # step of the last decode or scan use
+        self.steps = 0  # steps observed
+        self.version = 0  # commits applied
+
+    # -- what the manager calls -------------------------------------------------------------
+
+    @property
+    def n_keys(self) -> int:
+        return self.moe_layers * self.n_experts
+
+    @property
+    def resident(self) -> np.ndarray:
+        """Flat ids of the resident keys, ascending."""
+        return np.flatnonzero(self.slot_table.ravel() >= 0)
+
+    def plan(self, routed: np.ndarray, scan: np.ndarray | None = None) -> Plan:
+        """The fetches and evictions that make every routed key of a step resident.
+
+        ``routed``: flat key ids the step's decode tokens route (duplicates allowed); ``scan``:
+        flat key ids its prefill tokens route. Pure: the policy does not change until
+        :meth:`commit`. Raises ``ValueError`` when the decode keys alone outnumber the slots.
+        """
+        dec = self._unique(routed)
+        scn = self._unique(scan) if scan is not None else _EMPTY
+        if len(dec) > self.n_slots:
+            raise ValueError(
+                f"a step routes {len(dec)} distinct decode (moe_layer, expert) pairs but the pool "
+                f"has {self.n_slots} slots: the pool must hold at least one step"
+            )
+        table = self.slot_table.ravel()
+        miss_dec = dec[table[dec] < 0]
+        if len(scn):
+            scn = np.setdiff1d(scn, dec, assume_unique=True)
+        miss_scn = scn[table[scn] < 0]
+        if len(miss_dec) == 0 and len(miss_scn) == 0:
+            return Plan(version=self.version)
+
+        free = np.flatnonzero(self.slot_keys < 0)
+        pinned = np.zeros(self.n_keys, dtype=bool)
+        pinned[dec] = True
+        pinned[scn] = True
+        evictable = self.resident
+        evictable = evictable[~pinned[evictable]]
+
+        # decode misses: free slots first, then the coldest unpinned keys anywhere
+        n_free = min(len(free), len(miss_dec))
+        victims = self._victims(evictable, len(miss_dec) - n_free)
+        dec_slots = np.concatenate([free[:n_free], table[victims].astype(np.int64)])
+        free = free[n_free:]
+
+        # scan misses: remaining free slots, then probation keys (never the decode hot set)
+        scan_victims = _EMPTY
+        if len(miss_scn):
+            n_free_s = min(len(free), len(miss_scn))
+            left = len(miss_scn) - n_free_s
+            if left:
+                probation = np.setdiff1d(evictable, victims, assume_unique=True)
+                probation = np.setdiff1d(probation, self.hot_set(), assume_unique=True)
+                scan_victims = self._victims(probation, min(left, len(probation)))
+            scn_slots = np.concatenate([free[:n_free_s], table[scan_victims].astype(np.int64)])
+            placed = len(scn_slots)
+            unplaced, miss_scn = miss_scn[placed:], miss_scn[:placed]
+        else:
+            scn_slots, unplaced = _EMPTY, _EMPTY
+
+        evict = np.concatenate([victims, scan_victims])
+        return Plan(
+            fetch_keys=np.concatenate([miss_dec, miss_scn]),
+            fetch_slots=np.concatenate([dec_slots, scn_slots]),
+            evict_keys=evict,
+            evict_slots=table[evict].astype(np.int64),
+            unplaced_keys=unplaced,
+            version=self.version,
+        )
+
+    def commit(self, plan: Plan, scan: np.ndarray | None = None) -> None:
+        """Apply a plan whose copies are done and whose slot-table entries are published."""
+        if plan.version != self.version:
+            raise ValueError(f"stale plan (computed at version {plan.version}, now {self.version})")
+        table = self.slot_table.ravel()
+        table[plan.evict_keys] = -1
+        self.slot_keys[plan.evict_slots] = -1
+        if len(plan.fetch_keys):
+            if np.any(self.slot_keys[plan.fetch_slots] >= 0):
+                raise ValueError("plan fetches into an occupied slot")
+            table[plan.fetch_keys] = plan.fetch_slots
+            self.slot_keys[plan.fetch_slots] = plan.fetch_keys
+        if scan is not None:
+            self.last_use[self._unique(scan)] = self.steps
+        self.version += 1
+
+    def observe(self, routed: np.ndarray) -> None:
+        """End of a step: decay every score, then +1 per routing of the step's decode tokens."""
+        routed = np.asarray(routed, dtype=np.int64).ravel()
+        self._check(routed)
+        self.score *= self.decay
+        self.score += np.bincount(routed, minlength=self.n_keys)
+        self.last_use[routed] = self.steps
+        self.steps += 1
+
+    def step(self, routed: np.ndarray, scan: np.ndarray | None = None) -> Plan:
+        """plan + commit + observe: one whole step (for simulators and tests)."""
+        plan = self.plan(routed, scan)
+        self.commit(plan, scan)
+        self.observe(routed)
+        return plan
+
+    def hot_set(self) -> np.ndarray:
+        """Flat ids of the decode hot set: the ``protected_fraction`` of the pool's slots held by
+        the resident keys of highest decayed frequency (keys never routed by decode excluded)."""
+        res = self.resident
+        res = res[self.score[res] > 0]
+        n = min(len(res), int(np.floor(self.protected_fraction * self.n_slots)))
+        if n == 0:
+            return _EMPTY
+        neg = -self.score
+        return np.sort(lowest(res, n, neg, -self.last_use))
+
+    def hot_keys(self, n: int | None = None) -> np.ndarray:
+        """Flat ids of the keys with the highest decayed frequency, hottest first (what a warm start
+        persists); ``n`` defaults to the pool size."""
+        n = self.n_slots if n is None else n
+        seen = np.flatnonzero(self.score > 0)
+        return lowest(seen, min(n, len(seen)), -self.score, -self.last_use)
+
+    # -- the victim order; baseline policies of the simulator override it ------------------
+
+    def _victims(self, cands: np.ndarray, n: int) -> np.ndarray:
+        """``n`` of the sorted candidate keys to evict, first victim first."""
+        return lowest(cands, n, self.score, self.last_use)
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _check(self, ids: np.ndarray) -> None:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.n_keys):
+            raise ValueError(f"key ids must be in [0, {self.n_keys})")
+
+    def _unique(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.unique(np.asarray(ids, dtype=np.int64).ravel())
+        self._check(ids)
+        return ids
