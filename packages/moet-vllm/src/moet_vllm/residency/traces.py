@@ -233,7 +233,13 @@ def synthetic_trace(
 
 
 def calibrate_alpha(
-    profile: TraceProfile, tokens: int, seed: int, *, lo: float = 0.0, hi: float = 4.0, iters: int = 14
+    profile: TraceProfile,
+    tokens: int,
+    seed: int,
+    *,
+    lo: float = 0.0,
+    hi: float = 4.0,
+    iters: int = 14,
 ) -> float:
     """The ``alpha`` at which a ``tokens``-long trace of ``profile`` hits its coverage point
     (bisection: coverage grows with alpha)."""
