@@ -1,6 +1,7 @@
 """The persistent quantization cache over real moet-store packs."""
 
 import logging
+import subprocess
 
 import numpy as np
 import pytest
@@ -81,6 +82,30 @@ def test_unwritable_cache_dir_serves_without_the_cache_and_warns_once(tmp_path, 
     assert not c.enabled and c.read_layer(0) is None
     warnings = [r for r in caplog.records if "pack cache off" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_full_cache_dir_serves_without_the_cache_and_warns_once(tmp_path, caplog):
+    """A 1 MiB tmpfs (CI runs as root) cannot hold a 4 MiB pack: the cache turns itself off."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        cfg = resolve(None, None, {"MOET_CACHE_DIR": str(mnt)})
+        lay = RowLayout(1024, 256)  # ~130 KiB per expert row, 8 experts x 4 layers
+        c = ExpertPackCache(cfg, "ckpt-a", lay, 4, 8)
+        with caplog.at_level(logging.WARNING):
+            for layer in range(4):
+                c.write_layer(layer, sections(lay, 8, layer))
+        assert not c.enabled and c.read_layer(0) is None
+        warnings = [r.getMessage() for r in caplog.records if "pack cache off" in r.getMessage()]
+        assert len(warnings) == 1 and "space" in warnings[0], warnings
+        c.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_corrupt_pack_is_never_served(cfg):
