@@ -52,6 +52,22 @@ def test_dense_layers_get_the_checkpoint_method():
         MoetQuantConfig.from_config({"quant_method": "fp8"})
 
 
+def test_architectures_moet_cannot_serve_are_refused_at_boot():
+    from types import SimpleNamespace
+
+    from moet_quant.errors import CheckpointError
+
+    def model(arch):
+        cfg = {"architectures": [arch], "model_type": arch.lower()}
+        return SimpleNamespace(model="/m", hf_config=SimpleNamespace(to_dict=lambda: cfg))
+
+    with pytest.raises(
+        CheckpointError, match=r"LlamaForCausalLM.*not a supported MoE; supported: "
+    ):
+        MoetQuantConfig().config(None, model("LlamaForCausalLM"))
+    assert MoetQuantConfig().config(None, model("Qwen3MoeForCausalLM")).format  # accepted
+
+
 def test_layer_index_from_module_names():
     assert _layer_index("model.layers.12.mlp.experts") == 12
     with pytest.raises(MoetVllmError, match="cannot tell the model layer"):

@@ -35,6 +35,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from moet_kernels.reference import Routing, route_reference, w2_moe_reference
+from moet_quant.arch import family_for
+from moet_quant.checkpoint import text_config
 
 from . import compat
 from .compat import MoetVllmError
@@ -315,6 +317,9 @@ class MoetQuantConfig(QuantizationConfig):
         """The resolved MoetConfig; the first call (at boot, with vLLM's --additional-config and
         model config) fixes it and sets up the dense layers."""
         if self._cfg is None:
+            if model_config is not None:  # an architecture moet cannot serve: refused at boot
+                hf = model_config.hf_config.to_dict()
+                family_for(text_config(hf), f"{model_config.model}/config.json")
             qc = self.checkpoint_qc if self.is_moet_checkpoint else None
             cfg = resolve(qc, additional_config or {})
             compat.skip_routed_expert_tensors(not self.is_moet_checkpoint)

@@ -183,9 +183,7 @@ def run_policy(
     **knobs,
 ) -> SimResult:
     pol = make_policy(name, n_slots, moe_layers, n_experts, steps, **knobs)
-    return simulate(
-        pol, steps, warmup=warmup, initial=initial, slot_bytes=slot_bytes, name=name
-    )
+    return simulate(pol, steps, warmup=warmup, initial=initial, slot_bytes=slot_bytes, name=name)
 
 
 def hottest(steps: np.ndarray, n: int) -> np.ndarray:
