@@ -84,3 +84,11 @@ class RowLayout:
         for name, (offset, shape) in self.sections.items():
             out[name] = rows[:, offset : offset + shape[0] * shape[1]].reshape(-1, *shape)
         return out
+
+    def views(self, row):
+        """One row (numpy or torch, 1-D, >= row_bytes) -> its four sections as views, unpadded.
+        What an op reads from a GPU pool slot."""
+        return {
+            name: row[offset : offset + shape[0] * shape[1]].reshape(shape)
+            for name, (offset, shape) in self.sections.items()
+        }

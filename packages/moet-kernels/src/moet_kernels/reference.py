@@ -119,13 +119,29 @@ def w2_moe_reference(
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
         raise ValueError(f"topk_ids must lie in [0, {e}), got [{topk_ids.min()}, {topk_ids.max()}]")
 
+    def experts(i):
+        return w13[0][i], w13[1][i], w2[0][i], w2[1][i]
+
+    return _moe_exact(x, topk_ids, topk_weights, inter, experts)
+
+
+def _moe_exact(x, topk_ids, topk_weights, inter, experts, skip=None) -> torch.Tensor:
+    """The exact-mode MoE over experts given by `experts(e)` -> (w13 codes, w13 scales, w2 codes,
+    w2 scales); experts for which `skip(e)` is true contribute zero. Each expert's routed tokens
+    go through one matmul in token order, and the top-k sum is in slot order, so the result for a
+    token does not depend on which other experts were skipped: a replay after a fetch is
+    bit-identical to a forward that never missed."""
+    t, h = x.shape
     xf = x.to(torch.float32)
     ids = topk_ids.long()
     slot_out = torch.zeros(t, ids.shape[1], h, dtype=torch.float32, device=x.device)
     for expert in torch.unique(ids).tolist():  # dequantize each routed expert once
+        if skip is not None and skip(expert):
+            continue
         tok, slot = torch.nonzero(ids == expert, as_tuple=True)
-        w13_e = w2_dequant(w13[0][expert], w13[1][expert])  # [2I, H]
-        w2_e = w2_dequant(w2[0][expert], w2[1][expert])  # [H, I]
+        c13, s13, c2, s2 = experts(expert)
+        w13_e = w2_dequant(c13, s13)  # [2I, H]
+        w2_e = w2_dequant(c2, s2)  # [H, I]
         gate_up = xf[tok] @ w13_e.T  # [n, 2I]
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         slot_out[tok, slot] = act @ w2_e.T
@@ -134,6 +150,49 @@ def w2_moe_reference(
     for j in range(ids.shape[1]):  # fixed-order top-k sum
         out += weights[:, j : j + 1] * slot_out[:, j]
     return out
+
+
+def w2_moe_slots_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    layout,
+    n_real_tokens: int,
+    miss_count: torch.Tensor,
+    routed: torch.Tensor,
+) -> torch.Tensor:
+    """`w2_moe_reference` over a pool of expert slots (tiered residency, design.md): the route
+    op's semantics that the GPU kernels implement too.
+
+    pool uint8 [n_slots, >= layout.row_bytes] holds expert rows (`moet_kernels.layout.RowLayout`);
+    slot_table int32 [E]: this layer's slot of each expert, -1 if not resident. A routed
+    (token, expert) pair whose expert is not resident contributes zero; for the first
+    `n_real_tokens` rows (padding rows never count) each such pair adds 1 to `miss_count`
+    (int32 [1]), and every expert those rows route to is marked in `routed` (uint8 [E]), so the
+    runner knows what to fetch. With every routed expert resident the output is bit-identical to
+    `w2_moe_reference` on the same weights.
+    """
+    t, h = x.shape
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < layout.row_bytes:
+        raise ValueError(
+            f"pool must be uint8 [n_slots, >= {layout.row_bytes}], got {pool.dtype} "
+            f"{tuple(pool.shape)}"
+        )
+    if layout.hidden != h:
+        raise ValueError(f"x has hidden size {h}, the rows {layout.hidden}")
+    ids = topk_ids.long()
+    real = ids[:n_real_tokens]
+    slots = slot_table.long()
+    routed[real.unique()] = 1
+    miss_count += int((slots[real] < 0).sum())
+
+    def experts(e):
+        v = layout.views(pool[int(slots[e])])
+        return v["w13_codes"], v["w13_scales"], v["w2_codes"], v["w2_scales"]
+
+    return _moe_exact(x, ids, topk_weights, layout.inter, experts, skip=lambda e: slots[e] < 0)
 
 
 SCORINGS = ("softmax", "sigmoid")
@@ -219,4 +278,5 @@ __all__ = [
     "route_reference",
     "w2_dequant",
     "w2_moe_reference",
+    "w2_moe_slots_reference",
 ]
