@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (0: off)")
     ap.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA for fp32 MLA")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -40,6 +41,7 @@ def main() -> None:
         enforce_eager=True,
         max_model_len=128,
         seed=0,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
         quantization=args.quantization,
         speculative_config=spec,
         disable_log_stats=not args.mtp,

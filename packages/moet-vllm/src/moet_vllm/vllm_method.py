@@ -20,6 +20,7 @@ and the GPU kernels' oracle).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from typing import Any
@@ -34,16 +35,23 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
-from moet_kernels.reference import Routing, route_reference, w2_moe_reference
+from moet_kernels.reference import (
+    Routing,
+    route_reference,
+    w2_moe_reference,
+    w2_moe_slots_reference,
+)
 from moet_quant.arch import family_for
 from moet_quant.checkpoint import text_config
 
 from . import compat
 from .compat import MoetVllmError
-from .config import MoetConfig, resolve
+from .config import MoetConfig, pool_slots, resolve
 from .dense import DenseDequantizer, dense_method
 from .experts import ExpertSource
 from .packcache import ExpertPackCache
+from .residency import manager as residency
+from .residency.manager import MoetResidencyError, ResidencyManager
 
 log = logging.getLogger("vllm.moet")
 PARAMS = {  # RowLayout section -> parameter name
@@ -65,6 +73,7 @@ class MoetLoadSession:
     """Per worker process: the expert source and pack cache shared by all MoE layers."""
 
     def __init__(self, cfg: MoetConfig, model_path: str, tp_rank: int, tp_size: int):
+        self.cfg = cfg
         self.source = ExpertSource.open(model_path, cfg, tp_rank, tp_size)
         self.cache = ExpertPackCache(
             cfg,
@@ -88,14 +97,27 @@ class MoetLoadSession:
             self.cache.reason,
         )
 
-    def sections(self, model_layer: int) -> dict:
+    def sections(self, model_layer: int, keep: bool = True) -> dict | None:
+        """One MoE layer's expert sections, from the pack cache or the checkpoint (then written
+        to the cache). With `keep=False` (tiered residency) the layer only has to reach the
+        packs: a cached layer is not read back."""
         t0 = time.perf_counter()
         ordinal = self.source.moe_layers.index(model_layer)
-        secs = self.cache.read_layer(ordinal)
+        secs = None
+        if keep:
+            secs = self.cache.read_layer(ordinal)
+        elif ordinal in self.cache.cached_layers():
+            secs = {}
         if secs is None:
             secs = self.source.layer(model_layer)
             self.cache.write_layer(ordinal, secs)
             self.quantized += 1
+            if not keep and not self.cache.enabled:
+                raise MoetResidencyError(
+                    f"moet: tiered residency (gpu_pool={self.cfg.gpu_pool!r}) serves experts "
+                    f"from the pack files, but the pack cache is off ({self.cache.reason}); "
+                    "give it a writable cache_dir with room for the experts, or gpu_pool='all'"
+                )
         else:
             self.from_pack += 1
         self.seconds += time.perf_counter() - t0
@@ -108,8 +130,11 @@ class MoetLoadSession:
                 self.quantized,
                 self.from_pack,
             )
-            self.close()
-        return secs
+        return secs if keep else None
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
 
     def close(self) -> None:
         self.cache.close()
@@ -134,7 +159,9 @@ class MoetMoEMethod(FusedMoEMethodBase):
         params_dtype,
         **extra_weight_attrs,
     ):
-        e, h, i = num_experts, hidden_size, intermediate_size_per_partition
+        # tiered residency: the experts live in the pool of slots, not in the layer
+        e = 0 if self.quant_config.tiered else num_experts
+        h, i = hidden_size, intermediate_size_per_partition
         if h % 32 or i % 32:
             raise MoetVllmError(
                 f"{layer.layer_name}: hidden size {h} and per-rank expert "
@@ -167,7 +194,14 @@ class MoetMoEMethod(FusedMoEMethodBase):
         session = self.quant_config.load_session(layer)
         if session is None:
             return  # a moet checkpoint: the parameters were streamed in
+        if self.quant_config.tiered:
+            session.sections(self.model_layer, keep=False)  # into the packs, nothing resident
+            if session.done:
+                self.quant_config.start_residency(session, layer)
+            return
         secs = session.sections(self.model_layer)
+        if session.done:
+            session.close()
         with torch.no_grad():
             for section, name in PARAMS.items():
                 param = getattr(layer, name)
@@ -188,6 +222,21 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
         weights, ids = route_reference(router_logits, self.routing, layer.e_score_correction_bias)
+        mgr = residency.active()
+        if mgr is not None:
+            slot_table, routed = mgr.layer_tables(self.model_layer, ids)
+            out = w2_moe_slots_reference(
+                x,
+                ids,
+                weights,
+                mgr.pool,
+                slot_table,
+                mgr.layout,
+                mgr.n_real_tokens if mgr.n_real_tokens is not None else x.shape[0],
+                mgr.miss_count,
+                routed,
+            )
+            return out.to(x.dtype)
         out = w2_moe_reference(
             x,
             ids,
@@ -246,6 +295,7 @@ class MoetQuantConfig(QuantizationConfig):
         ) or None
         self.dense: QuantizationConfig | None = None
         self.dense_policy = "none"  # set at boot: "checkpoint" or "dequantize" when dense is set
+        self._serving: tuple[int, int] | None = None  # (max_num_seqs, spec tokens): pool floor
         if dense_method(self.dense_qc):
             self.dense = compat.checkpoint_quant_config(self.dense_qc)
         # before the model is built: vLLM binds each RoPE module's forward at construction
@@ -322,15 +372,21 @@ class MoetQuantConfig(QuantizationConfig):
                 family_for(text_config(hf), f"{model_config.model}/config.json")
             qc = self.checkpoint_qc if self.is_moet_checkpoint else None
             cfg = resolve(qc, additional_config or {})
-            compat.skip_routed_expert_tensors(not self.is_moet_checkpoint)
             self._cfg = cfg
+            # tiered: experts reach the packs through moet-quant, never vLLM's loader
+            compat.skip_routed_expert_tensors(not self.is_moet_checkpoint or self.tiered)
+            if self.tiered:
+                self._serving = compat.check_residency_supported(cfg)
+                compat.wrap_model_forward(residency.run_step)
             self.dense_policy = self._dense_policy(cfg, model_config)
             origin = "a moet checkpoint" if self.is_moet_checkpoint else "re-quantization at load"
             log.info(
-                "moet: routed experts as %s from %s; compute: exact torch reference; all "
-                "experts resident",
+                "moet: routed experts as %s from %s; compute: exact torch reference; %s",
                 self._cfg.format,
                 origin,
+                f"tiered residency (gpu_pool={cfg.gpu_pool!r}, host tier {cfg.host_tier})"
+                if self.tiered
+                else "all experts resident",
             )
         return self._cfg
 
@@ -364,9 +420,54 @@ class MoetQuantConfig(QuantizationConfig):
             )
         return policy
 
+    @property
+    def tiered(self) -> bool:
+        """Tiered residency: experts live in a pool of slots, fetched from the packs on demand."""
+        return self._cfg is not None and self._cfg.gpu_pool != "all"
+
+    def start_residency(self, session: MoetLoadSession, layer) -> None:
+        """After the last MoE layer reached the packs: the pool, its host tier, the manager."""
+        cfg, src = self._cfg, session.source
+        mtp = src.mtp_layers
+        n_tiered_keys = (len(src.moe_layers) - len(mtp)) * src.n_experts
+        n_slots = pool_slots(cfg, n_tiered_keys) or n_tiered_keys
+        max_num_seqs, num_spec = self._serving
+        floor = math.ceil(
+            1.15
+            * (len(src.moe_layers) - len(mtp))
+            * layer.top_k
+            * (1 + num_spec)
+            * min(max_num_seqs, 4)
+        )
+        if n_slots < floor and not cfg.below_floor_ok:
+            raise MoetResidencyError(
+                f"moet: gpu_pool={cfg.gpu_pool!r} gives {n_slots} expert slots, below the boot "
+                f"floor of {floor} (1.15 x {len(src.moe_layers) - len(mtp)} MoE layers x top-"
+                f"{layer.top_k} x {1 + num_spec} tokens/step x min(max_num_seqs, 4)): set "
+                f"gpu_pool >= {floor}, lower max_num_seqs, or accept replays on most steps "
+                "with below_floor_ok=true"
+            )
+        store = session.cache.open_store(cfg.host_tier)
+        mgr = ResidencyManager(
+            src.layout,
+            src.moe_layers,
+            src.n_experts,
+            n_slots,
+            store,
+            pinned_layers=mtp,
+            miss_mode=cfg.miss_mode,
+            miss_tolerance=cfg.miss_tolerance,
+            max_replays=cfg.max_replays,
+            kpi_every=cfg.kpi_every,
+            hot_path=session.cache.hot_path(),
+        )
+        session.source.close()
+        residency.activate(mgr)
+
     def load_session(self, layer) -> MoetLoadSession | None:
-        """The shared expert source for an official checkpoint (None for a moet checkpoint)."""
-        if self.is_moet_checkpoint:
+        """The shared expert source for an official checkpoint, or any checkpoint under tiered
+        residency (None for a moet checkpoint with every expert resident)."""
+        if self.is_moet_checkpoint and not self.tiered:
             return None
         if self._session is None:
             from vllm.config import get_current_vllm_config

@@ -1,0 +1,357 @@
+"""Tiered residency in a worker: the expert pool, its slot table, the miss counter, and the
+fetch-and-replay loop around each forward pass (design.md, "Residency and replay").
+
+One `ResidencyManager` per worker process serves every MoE layer of the model:
+
+* `pool` uint8 [n_slots, row_bytes]: expert rows (`moet_kernels.layout.RowLayout`), one slot each;
+  `slot_table` int32 [moe_layers, E] (-1: not resident); `miss_count` int32 [1] and `routed` uint8
+  [moe_layers, E], which the MoE layers' route op fills during a forward pass. All are allocated
+  once, at load, and never move (a CUDA graph reads them by address).
+* the host tier: a moet-store `Store` over the model's pack files (backend ram, pagecache or
+  tiered), the source of every fetch;
+* the policy (`policy.ResidencyPolicy`): which experts to fetch into which slots, which to evict.
+
+`run_forward(forward, ...)` is the runner hook's body: zero the counters, run the forward, read the
+miss counter (the one sync), and while experts were missing fetch them all in one batch, publish
+their slots and replay the same forward, up to `max_replays` times. A step that still misses fails
+(strict, the default) or, in approximate mode, is served and counted as unrestored. The MTP
+drafter's layer (its experts only ever routed by drafter passes, which are not replayed) is
+pinned resident, outside the policy's pool.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..compat import MoetVllmError
+from .policy import ResidencyPolicy, key_pairs
+
+log = logging.getLogger("vllm.moet")
+_active: ResidencyManager | None = None
+
+
+class MoetResidencyError(MoetVllmError):
+    """A step whose experts could not all be made resident (strict mode), or a failed fetch."""
+
+
+def active() -> ResidencyManager | None:
+    """The manager of this worker process, once the model is loaded with a partial pool."""
+    return _active
+
+
+@dataclass
+class Counters:
+    """What the KPI line and the metrics report (totals since boot)."""
+
+    steps: int = 0
+    replayed_steps: int = 0  # steps whose first forward missed
+    replays: int = 0  # forward passes re-run (>= replayed_steps: second-order misses)
+    second_order: int = 0  # replays beyond the first of a step
+    missing_pairs: int = 0  # routed (token, expert) pairs that missed, first passes
+    fetched_rows: int = 0
+    fetched_bytes: int = 0
+    fetch_seconds: float = 0.0
+    streamed_steps: int = 0  # steps larger than the pool: overflow staged layer by layer
+    staged_rows: int = 0
+    unrestored_steps: int = 0  # approximate mode: served with zeroed experts
+    skipped_pairs: int = 0  # approximate mode: missed pairs served as zero
+    fetch_retries: int = 0
+    window: dict = field(default_factory=dict)  # the counters at the last KPI line
+
+
+class ResidencyManager:
+    def __init__(
+        self,
+        layout,
+        moe_layers: list[int],
+        n_experts: int,
+        n_slots: int,
+        store,
+        pinned_layers: list[int] = (),
+        *,
+        miss_mode: str = "strict",
+        miss_tolerance: int = 0,
+        max_replays: int = 4,
+        kpi_every: int = 100,
+        fetch_attempts: int = 3,
+        hot_path: Path | None = None,
+        device: str | torch.device = "cpu",
+    ):
+        self.layout, self.n_experts, self.store = layout, n_experts, store
+        self.moe_layers = list(moe_layers)  # model layer index of each MoE-layer ordinal
+        self.pinned = [self.moe_layers.index(m) for m in pinned_layers]
+        self.tiered = [o for o in range(len(self.moe_layers)) if o not in self.pinned]
+        n_pinned = len(self.pinned) * n_experts
+        self.n_slots = n_slots
+        # [policy slots | pinned (MTP) slots | staging: one layer's experts, for overflow]
+        self.stage0 = n_slots + n_pinned
+        self.pool = torch.zeros(
+            self.stage0 + n_experts, layout.row_bytes, dtype=torch.uint8, device=device
+        )
+        self.streaming = False  # this forward stages what the pool cannot hold, layer by layer
+        self.slot_table = torch.full((len(self.moe_layers), n_experts), -1, dtype=torch.int32)
+        self.slot_table = self.slot_table.to(device)
+        self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
+        self.routed = torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, device=device)
+        self.policy = ResidencyPolicy(n_slots, len(self.tiered), n_experts)
+        self.miss_mode, self.miss_tolerance = miss_mode, miss_tolerance
+        self.max_replays, self.kpi_every = max_replays, kpi_every
+        self.fetch_attempts = fetch_attempts
+        self.counters = Counters()
+        self.n_real_tokens: int | None = None  # rows of the current forward that count
+        self.hot_path = hot_path  # the persisted hot set (warm starts)
+        # pinned layers (MTP drafter): slots n_slots.., filled once
+        for i, o in enumerate(self.pinned):
+            slots = n_slots + i * n_experts + np.arange(n_experts)
+            self._copy_rows([(o, e) for e in range(n_experts)], slots)
+            self.slot_table[o] = torch.from_numpy(slots.astype(np.int32))
+
+    # -- the MoE layers' view --
+
+    def layer_tables(
+        self, model_layer: int, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_table row, routed row) of one MoE layer (by model layer index) for a forward
+        routing `ids`. While streaming, this layer's non-resident routed experts are read into
+        the staging slots first and the returned table points there (they never enter the pool)."""
+        o = self.moe_layers.index(model_layer)
+        table = self.slot_table[o]
+        if not self.streaming:
+            return table, self.routed[o]
+        routed = torch.unique(ids[: self.n_real_tokens]).long()
+        missing = routed[table[routed] < 0]
+        if len(missing):
+            staged = self.stage0 + missing
+            self._copy_rows([(o, int(e)) for e in missing], staged.tolist())
+            table = table.clone()
+            table[missing] = staged.to(table.dtype)
+            self.counters.staged_rows += len(missing)
+        return table, self.routed[o]
+
+    # -- fetching --
+
+    def _copy_rows(self, keys: list[tuple[int, int]], slots) -> None:
+        """Read `keys` (ordinal, expert) from the host tier and copy them into `slots`, in one
+        batch; retried, then MoetResidencyError. Nothing is published here."""
+        if not keys:
+            return
+        t0 = time.perf_counter()
+        for attempt in range(1, self.fetch_attempts + 1):
+            try:
+                with self.store.fetch(keys) as batch:
+                    for view, slot in zip(batch.views, slots, strict=True):
+                        with warnings.catch_warnings():  # a read-only view, copied at once
+                            warnings.simplefilter("ignore", UserWarning)
+                            row = torch.frombuffer(view, dtype=torch.uint8)
+                        self.pool[int(slot)].copy_(row[: self.layout.row_bytes])
+                break
+            except OSError as e:
+                self.counters.fetch_retries += 1
+                if attempt == self.fetch_attempts:
+                    raise MoetResidencyError(
+                        f"moet: fetching {len(keys)} experts from the pack files failed "
+                        f"{attempt} times ({e}); the step's experts cannot be restored"
+                    ) from None
+        self.counters.fetched_rows += len(keys)
+        self.counters.fetched_bytes += len(keys) * self.layout.row_bytes
+        self.counters.fetch_seconds += time.perf_counter() - t0
+
+    def apply(self, plan, scan: np.ndarray | None = None) -> None:
+        """Evict, fetch and publish a policy plan (between forward passes)."""
+        pairs = key_pairs(plan.evict_keys, self.n_experts)
+        for o, e in pairs:
+            self.slot_table[self.tiered[o], e] = -1
+        fetch = [(self.tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, self.n_experts)]
+        self._copy_rows(fetch, plan.fetch_slots)  # a failure publishes nothing
+        for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
+            self.slot_table[o, e] = int(slot)
+        self.policy.commit(plan, scan)
+
+    def preload(self, keys: np.ndarray) -> int:
+        """Warm start: the persisted hot set (flat policy keys, hottest first) into free slots."""
+        plan = self.policy.plan_preload(keys)
+        self.apply(plan)
+        return len(plan.fetch_keys)
+
+    def _routed_keys(self) -> np.ndarray:
+        routed = self.routed.cpu().numpy()[self.tiered]
+        o, e = np.nonzero(routed)
+        return o.astype(np.int64) * self.n_experts + e
+
+    # -- the runner hook --
+
+    def run_forward(self, forward, scan: bool = False, n_real: int | None = None):
+        """Run `forward()` (one model forward pass) until every expert it routes is resident.
+        `n_real`: rows of the batch that are real tokens (padding never counts a miss)."""
+        self.n_real_tokens = n_real
+        c = self.counters
+        missed_first = 0
+        for attempt in range(self.max_replays + 1):
+            self.miss_count.zero_()
+            self.routed.zero_()
+            out = forward()
+            missed = int(self.miss_count.item())  # the one sync of a step
+            missed = self._agree(missed)
+            keys = self._routed_keys()
+            if attempt == 0:
+                missed_first = missed
+            if missed == 0:
+                break
+            if attempt == 0 and self.miss_mode == "approximate" and missed <= self.miss_tolerance:
+                self._plan_and_apply(keys, scan)  # still fetch, for the next steps
+                c.unrestored_steps += 1
+                c.skipped_pairs += missed
+                break
+            if attempt == self.max_replays:
+                if self.miss_mode == "strict":
+                    raise MoetResidencyError(
+                        f"moet: {missed} routed experts still missing after {attempt} replays "
+                        f"of one step (max_replays={self.max_replays}); refusing to serve "
+                        "zeroed experts (miss_mode='strict'): raise gpu_pool or max_replays"
+                    )
+                c.unrestored_steps += 1
+                c.skipped_pairs += missed
+                break
+            if not self._plan_and_apply(keys, scan):
+                self.streaming = True  # the replay stages the overflow, layer by layer
+                c.streamed_steps += 1
+            c.replays += 1
+            c.second_order += attempt > 0
+        self.streaming = False
+        c.steps += 1
+        c.replayed_steps += missed_first > 0
+        c.missing_pairs += missed_first
+        if not scan:
+            self.policy.observe(keys)
+        if self.kpi_every and c.steps % self.kpi_every == 0:
+            log.info("%s", self.kpi_line())
+            self.save_hot_set()
+        return out
+
+    # -- warm starts --
+
+    def save_hot_set(self) -> None:
+        """Persist the pool's hot set (flat policy keys, hottest first), atomically."""
+        if self.hot_path is None:
+            return
+        keys = self.policy.hot_keys().tolist()
+        tmp = self.hot_path.with_name(self.hot_path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"version": 1, "n_keys": self.policy.n_keys, "keys": keys}))
+            os.replace(tmp, self.hot_path)
+        except OSError as e:  # a warm start is an optimisation: never fail a step for it
+            log.warning("moet: could not save the pool's hot set to %s: %s", self.hot_path, e)
+
+    def load_hot_set(self) -> int:
+        """Preload the persisted hot set into the pool (boot, before serving); -> rows loaded.
+        A missing, foreign or corrupt file preloads nothing."""
+        if self.hot_path is None or not self.hot_path.is_file():
+            return 0
+        try:
+            saved = json.loads(self.hot_path.read_text())
+            keys = np.asarray(saved["keys"], dtype=np.int64)
+            if saved.get("n_keys") != self.policy.n_keys or keys.ndim != 1:
+                raise ValueError("a different model geometry")
+            keys = keys[(keys >= 0) & (keys < self.policy.n_keys)]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("moet: ignoring the saved hot set %s (%s)", self.hot_path, e)
+            return 0
+        return self.preload(keys)
+
+    def _plan_and_apply(self, keys: np.ndarray, scan: bool) -> bool:
+        """Fetch what the policy places; False when some keys have no room (a prefill chunk, or
+        a step larger than the pool): the replay then streams them."""
+        try:
+            if scan:  # prefill: free and probation slots only, never the decode hot set
+                plan = self.policy.plan(np.zeros(0, np.int64), scan=keys)
+            else:
+                plan = self.policy.plan(keys)
+        except ValueError:  # more distinct decode keys than slots (a pool below the floor)
+            return False
+        self.apply(plan, scan=keys if scan else None)
+        return len(plan.unplaced_keys) == 0
+
+    def _agree(self, missed: int) -> int:
+        """Every tensor-parallel rank takes the same decision: the largest miss count."""
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return missed
+        t = torch.tensor([missed], dtype=torch.int64)
+        torch.distributed.all_reduce(
+            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group
+        )
+        return int(t.item())
+
+    # -- reporting --
+
+    @property
+    def coverage(self) -> float:
+        """Share of the tiered (layer, expert) pairs that fit in the pool at once."""
+        return min(1.0, self.n_slots / (len(self.tiered) * self.n_experts))
+
+    def kpi_line(self) -> str:
+        c, w = self.counters, self.counters.window
+        steps = c.steps - w.get("steps", 0)
+        pct = 100.0 * (c.replayed_steps - w.get("replayed_steps", 0)) / max(steps, 1)
+        pairs = (c.missing_pairs - w.get("missing_pairs", 0)) / max(steps, 1)
+        second = c.second_order - w.get("second_order", 0)
+        unrestored = c.unrestored_steps - w.get("unrestored_steps", 0)
+        stats = self.store.stats() if hasattr(self.store, "stats") else {}
+        hits, misses = stats.get("hit_rows", 0), stats.get("miss_rows", 0)
+        arena = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
+        c.window = {
+            k: getattr(c, k)
+            for k in (
+                "steps",
+                "replayed_steps",
+                "missing_pairs",
+                "second_order",
+                "unrestored_steps",
+            )
+        }
+        return (
+            f"moet KPI: {steps} steps: replay {pct:.1f}% of steps, {pairs:.2f} missing pairs/step, "
+            f"pool coverage {100 * self.coverage:.1f}%, second-order replays {second}, "
+            f"unrestored steps {unrestored}, arena hit {arena}"
+        )
+
+    def close(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
+        self.store.close()
+
+
+def activate(manager: ResidencyManager) -> None:
+    global _active
+    _active = manager
+    loaded = manager.load_hot_set()
+    log.info(
+        "moet: tiered residency: %d expert slots for %d MoE layers x %d experts (pool coverage "
+        "%.1f%%, %.1f MB), %d pinned (MTP), host tier %s; warm start: %d experts preloaded",
+        manager.n_slots,
+        len(manager.tiered),
+        manager.n_experts,
+        100 * manager.coverage,
+        manager.pool.numel() / 1e6,
+        len(manager.pinned) * manager.n_experts,
+        getattr(manager.store, "backend", "?"),
+        loaded,
+    )
+
+
+def run_step(forward, n_tokens: int, n_real: int, scan: bool):
+    """The runner hook's body (compat touch point 7)."""
+    if _active is None:
+        return forward()
+    return _active.run_forward(forward, scan=scan, n_real=n_real)
