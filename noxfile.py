@@ -146,13 +146,18 @@ def ci(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
-@nox.parametrize("what", ["quant", "store", "vllm_load"], ids=["quant", "store", "vllm_load"])
+@nox.parametrize(
+    "what",
+    ["quant", "store", "vllm_load", "residency"],
+    ids=["quant", "store", "vllm_load", "residency"],
+)
 def bench(session: nox.Session, what: str) -> None:
     """Benchmarks, not timed tests: ratios to a baseline of the same run; JSON in bench/results/.
 
     quant: re-quantization MB/s per core vs the float64 spec and a cold read; store: arena hits,
     page-cache misses vs memcpy, O_DIRECT vs dd, pinned H2D (packages/moet-store/README.md);
-    vllm_load: vLLM's weight-load phase re-quantizing a >= 2 GB checkpoint vs the pack cache.
+    vllm_load: vLLM's weight-load phase re-quantizing a >= 2 GB checkpoint vs the pack cache;
+    residency: the expert-pool policy vs Belady on synthetic routing traces (docs/residency.md).
     """
     session.run("python", f"bench/{what}.py", *session.posargs)
 

@@ -1,39 +1,42 @@
-"""Trace-driven simulation of the expert pool: online policies, Belady's MIN and a lower bound.
+"""Trace-driven simulation of the expert pool: online policies, Belady's offline policies and a
+lower bound.
 
-The model is the serving one (design.md, "Residency and replay"). A step routes a set R_t of
+The model is the serving one (design.md, "Residency and replay"). Step t routes a set R_t of
 (moe_layer, expert) keys. It *replays* when any key of R_t was not resident at its start; the
 missing keys are then fetched (demand only: a key enters the pool only when a step routes it) and
-every key of R_t stays resident until the step ends, so after step t the pool C_t holds R_t and at
-most ``n_slots`` keys. Metrics over the measured steps: replay % of steps, missing pairs per step,
+every key of R_t stays resident until the step ends, so after step t the pool holds R_t and at most
+``n_slots`` keys. Metrics over the measured steps: replay % of steps, missing pairs per step,
 bytes fetched (missing pairs x slot bytes).
 
 Policies, all the same :class:`~moet_vllm.residency.policy.ResidencyPolicy` machinery differing
 only in the victim order:
 
 - ``decay``: the serving policy object itself (decayed frequency).
-- ``lfu``: decayed frequency with no decay (a key's routings since the start; "perfect" LFU).
+- ``lfu``: decayed frequency with no decay (routings since the start: "perfect" LFU).
 - ``lru``: least recently routed first.
-- ``belady``: Belady's MIN, offline: the resident key whose next routing is furthest away first
-  (never again first), never a key of the current step.
+- ``min``: Belady's MIN, offline: the key routed again furthest in the future first.
+- ``belady``: Belady for replay steps, offline: first the keys whose next routing falls in a step
+  that replays anyway (a key that is not resident and not routed before it is routed there), the
+  furthest first; then MIN's order.
 
-What is optimal when a step needs all its keys resident. Write a schedule as the set of *kept
-intervals*: key k routed at steps p < s and resident throughout, so that s finds it. After step b
-the pool holds R_b plus the kept intervals that cross b, which must fit in ``n_slots``.
+**What is optimal** when a step needs all its keys resident. Write a schedule as its *kept
+intervals*: key k routed at steps p < s and resident in between, so that s finds it. After step b
+the pool holds R_b plus the kept intervals crossing b, at most ``n_slots``.
 
-- **Missing pairs (bytes).** Every routing that does not end a kept interval is a missing pair, so
+- *Missing pairs (bytes).* Every routing that does not end a kept interval is a missing pair, so
   the fewest missing pairs is the most intervals packed under the capacity profile
-  ``n_slots - |R_b|``. Belady's MIN is optimal for it: the classic exchange argument holds because
-  the keys of R_t have distance 0 and are never victims (a schedule that keeps the key x with the
-  further next use instead of MIN's y can swap the two until y's next use, without a single extra
-  miss). Tested against brute force (tests/test_residency_simulate.py).
-- **Replay steps.** A step is replay-free only if *all* intervals ending at it are kept: the
-  optimum packs whole groups of intervals, a harder problem (the all-or-nothing form of unsplittable
-  flow on a path; we know no polynomial algorithm). MIN is not optimal for it: it may evict a key
-  whose next step is otherwise clean rather than one whose next step misses anyway (brute force
-  finds such traces; a test keeps one). So for replay % this module reports MIN (the classic
-  reference, and an upper bound on the optimum, being a feasible schedule) and a **provable lower
-  bound** (:func:`replay_lower_bound`, the Lagrangian dual of the packing LP): the optimum lies
-  between the two, and no policy, online or offline, replays fewer steps than the bound.
+  ``n_slots - |R_b|``. MIN achieves it: the keys of R_t have distance 0 and are never victims, and
+  the classic exchange argument goes through (a schedule that evicts y where MIN evicts x, whose
+  next routing is later, can keep y and drop x instead until y's next routing, without an extra
+  miss). Checked against brute force (tests/test_residency_simulate.py).
+- *Replay steps.* A step is replay-free only if *all* the intervals ending at it are kept: the
+  optimum packs whole groups of intervals, an all-or-nothing packing for which we know no
+  polynomial algorithm. MIN is not optimal for it: it may evict a key whose next step would
+  otherwise be clean rather than one whose next step replays anyway (the tests keep such a
+  trace). ``belady`` uses that freedom; on random tiny traces it is optimal in all but about
+  1 in 1000 and never worse than MIN, but it is not proven optimal either. So replay % has a
+  bracket: :func:`replay_lower_bound` (the LP relaxation's dual: no schedule, online or offline,
+  replays fewer steps) <= optimum <= ``belady`` (a feasible schedule).
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ import numpy as np
 
 from .policy import ResidencyPolicy, lowest
 
-POLICIES = ("lru", "lfu", "decay", "belady")
+ONLINE = ("lru", "lfu", "decay")
+OFFLINE = ("min", "belady")
+POLICIES = ONLINE + OFFLINE
 
 
 def decode_steps(ids: np.ndarray, n_experts: int, batch: int = 1) -> np.ndarray:
@@ -53,7 +58,7 @@ def decode_steps(ids: np.ndarray, n_experts: int, batch: int = 1) -> np.ndarray:
 
     Batch 1: one token per step. Batch B: the trace is cut into B contiguous parts of
     ``tokens // B`` tokens, treated as B concurrent sequences; step t routes token t of each part
-    (a key routed by several tokens appears once per token; its union is what the step needs).
+    (a key routed by several tokens appears once per token; the step needs their union).
     """
     tokens, n_layers, k = ids.shape
     if batch < 1 or tokens < batch:
@@ -72,6 +77,13 @@ def unique_steps(steps: np.ndarray) -> list[np.ndarray]:
     return [row[m] for row, m in zip(srt, keep)]
 
 
+def hottest(steps: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` most routed keys of ``steps``, hottest first (ties: lowest id)."""
+    counts = np.bincount(np.asarray(steps).ravel())
+    seen = np.flatnonzero(counts)
+    return lowest(seen, min(n, len(seen)), -counts)
+
+
 class LRUPolicy(ResidencyPolicy):
     """Evicts the least recently routed key (ties: lowest key id)."""
 
@@ -80,23 +92,35 @@ class LRUPolicy(ResidencyPolicy):
 
 
 class BeladyPolicy(ResidencyPolicy):
-    """Belady's MIN for the steps it is built from: evicts the key routed again furthest in the
-    future (never again first; ties: lowest key id). Must be driven with exactly those steps."""
+    """The offline policies for the steps they are built from (see the module doc):
+    ``step_aware=False`` is MIN, ``True`` is Belady for replay steps. Ties: lowest key id.
+    Must be driven with exactly those steps."""
 
-    def __init__(self, n_slots: int, moe_layers: int, n_experts: int, steps: np.ndarray) -> None:
+    def __init__(
+        self, n_slots: int, moe_layers: int, n_experts: int, steps: np.ndarray, step_aware: bool
+    ) -> None:
         super().__init__(n_slots, moe_layers, n_experts)
+        self.step_aware = step_aware
         self._uniq = unique_steps(steps)
-        never = len(self._uniq)
-        seen = np.full(self.n_keys, never, dtype=np.int64)
-        self._next = [None] * len(self._uniq)
+        self.never = len(self._uniq)
+        seen = np.full(self.n_keys, self.never, dtype=np.int64)
+        self._next: list[np.ndarray] = [None] * len(self._uniq)
         for t in range(len(self._uniq) - 1, -1, -1):
             keys = self._uniq[t]
             self._next[t] = seen[keys]
             seen[keys] = t
-        self.next_use = seen  # first routing of every key (a preloaded key waits for it)
+        self.next_use = seen  # every key's next routing (a preloaded key waits for its first)
 
     def _victims(self, cands: np.ndarray, n: int) -> np.ndarray:
-        return lowest(cands, n, -self.next_use)
+        if not self.step_aware:
+            return lowest(cands, n, -self.next_use)
+        # steps bound to replay: the next routing of a key that is not resident now (the
+        # current step's own misses mark the current step, which no candidate is routed in)
+        doomed = np.zeros(self.never + 1, dtype=bool)
+        doomed[self.next_use[self.slot_table.ravel() < 0]] = True
+        doomed[self.never] = True
+        costly = (~doomed[self.next_use]).astype(np.int8)
+        return lowest(cands, n, costly, -self.next_use)
 
     def observe(self, routed: np.ndarray) -> None:
         t = self.steps
@@ -115,8 +139,8 @@ def make_policy(
         return ResidencyPolicy(n_slots, moe_layers, n_experts, half_life_steps=math.inf)
     if name == "lru":
         return LRUPolicy(n_slots, moe_layers, n_experts)
-    if name == "belady":
-        return BeladyPolicy(n_slots, moe_layers, n_experts, steps)
+    if name in OFFLINE:
+        return BeladyPolicy(n_slots, moe_layers, n_experts, steps, step_aware=name == "belady")
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
@@ -154,7 +178,7 @@ def simulate(
     slot_bytes: int = 1,
     name: str = "",
 ) -> SimResult:
-    """Drive ``policy`` with every step (``decode_steps``); count the steps from ``warmup`` on.
+    """Drive ``policy`` through every step (``decode_steps``); count the steps from ``warmup`` on.
 
     ``initial``: keys preloaded before the first step, hottest first (a warm start).
     """
@@ -182,16 +206,9 @@ def run_policy(
     slot_bytes: int = 1,
     **knobs,
 ) -> SimResult:
+    """``simulate`` a fresh policy by name."""
     pol = make_policy(name, n_slots, moe_layers, n_experts, steps, **knobs)
     return simulate(pol, steps, warmup=warmup, initial=initial, slot_bytes=slot_bytes, name=name)
-
-
-def hottest(steps: np.ndarray, n: int) -> np.ndarray:
-    """The ``n`` most routed keys of ``steps``, hottest first (ties: lowest id): the hot set a
-    long run would persist, used as the warm start of every policy."""
-    counts = np.bincount(steps.ravel())
-    seen = np.flatnonzero(counts)
-    return lowest(seen, min(n, len(seen)), -counts)
 
 
 # -- the lower bound ----------------------------------------------------------------------------
@@ -203,23 +220,25 @@ def replay_lower_bound(
     *,
     warmup: int = 0,
     initial: np.ndarray | None = None,
-    iters: int = 200,
+    iters: int = 400,
     upper: int | None = None,
 ) -> int:
     """A number of replay steps in ``[warmup, steps)`` that no schedule can go below.
 
-    Boundary b is the pool's content at the start of step b. A replay-free step s needs every key
-    of R_s kept from its previous routing p: at boundaries p+2..s it occupies a slot beyond
-    R_{b-1} (capacity ``n_slots - |R_{b-1}|``). With ``warmup > 0`` the pool at boundary
-    ``warmup`` may hold any ``n_slots`` keys (a relaxation: any reachable state is allowed), so a
-    key last routed before the window counts from there; with ``warmup == 0`` the pool starts
-    with ``initial`` (or empty) and the first routing of any other key forces a replay. Choosing which steps are replay-free is a
-    packing LP; any prices ``lam >= 0`` on the boundaries give the upper bound
-    ``sum_b lam_b cap_b + sum_s max(0, 1 - cost_s(lam))`` on replay-free steps (weak duality),
-    tightened by projected subgradient steps (Polyak step towards ``upper``, the replay-free
-    steps of a feasible schedule such as MIN's, when given). Valid at every iterate.
+    Boundary b is the pool at the start of step b. A replay-free step s needs every key of R_s
+    kept since its previous routing p: at boundaries p+2..s it takes a slot beyond R_{b-1}, whose
+    capacity is ``n_slots - |R_{b-1}|``. With ``warmup > 0`` the pool at boundary ``warmup`` may
+    hold any ``n_slots`` keys (a relaxation: every reachable state is allowed), so a key last routed
+    before the window counts from there; with ``warmup == 0`` the pool starts with ``initial`` (or
+    empty) and the first routing of any other key forces a replay.
+
+    Choosing the replay-free steps is a packing problem; for any prices ``lam >= 0`` on the
+    boundaries, ``sum_b lam_b cap_b + sum_s max(0, 1 - cost_s(lam))`` bounds the replay-free steps
+    from above (weak duality of its LP relaxation). Projected subgradient steps lower it (Polyak
+    steps aimed at ``upper``, the replay-free steps of a feasible schedule, when given); the bound
+    is valid at every iterate, and the best one is returned.
     """
-    uniq = unique_steps(steps) if isinstance(steps, np.ndarray) else steps
+    uniq = unique_steps(steps) if isinstance(steps, np.ndarray) else list(steps)
     T = len(uniq)
     b0 = int(warmup)
     if not 0 <= b0 <= T:
@@ -227,19 +246,20 @@ def replay_lower_bound(
     n_window = T - b0
     if n_window == 0:
         return 0
-    n_keys = int(max(int(u.max()) for u in uniq if len(u)) + 1)
-    last = np.full(n_keys, -1, dtype=np.int64)
-    starts, ends, forced = [], [], np.zeros(T, dtype=bool)
     sizes = np.array([len(u) for u in uniq], dtype=np.int64)
     if int(sizes.max()) > n_slots:
         raise ValueError(f"a step routes {int(sizes.max())} keys, more than {n_slots} slots")
+    n_keys = max(int(u.max()) + 1 for u in uniq if len(u))
     preloaded = np.zeros(n_keys, dtype=bool)
     if initial is not None and b0 == 0:
-        init = np.asarray(initial, dtype=np.int64)
-        init = init[init < n_keys]
-        if len(np.unique(init)) > n_slots:
+        init = np.unique(np.asarray(initial, dtype=np.int64))
+        if len(init) > n_slots:
             raise ValueError("initial holds more keys than slots")
-        preloaded[init] = True
+        preloaded[init[init < n_keys]] = True
+
+    last = np.full(n_keys, -1, dtype=np.int64)
+    forced = np.zeros(T, dtype=bool)
+    starts, ends = [], []
     for s, keys in enumerate(uniq):
         p = last[keys]
         last[keys] = s
@@ -252,47 +272,45 @@ def replay_lower_bound(
         a = a[a <= s]
         starts.append(a)
         ends.append(np.full(len(a), s, dtype=np.int64))
-    a = np.concatenate(starts) if starts else np.zeros(0, np.int64)
-    e = np.concatenate(ends) if ends else np.zeros(0, np.int64)
+    free = np.flatnonzero(~forced[b0:]) + b0
+    if len(free) == 0:
+        return n_window
+    # intervals grouped by (end step, start boundary), with multiplicities
+    pair = np.unique(np.concatenate(ends) * (T + 1) + np.concatenate(starts), return_counts=True)
+    e_u, a_u, w_u = pair[0] // (T + 1), pair[0] % (T + 1), pair[1].astype(np.float64)
+    n_s = np.bincount(e_u, weights=w_u, minlength=T)  # kept intervals a replay-free step needs
     cap = np.empty(T, dtype=np.float64)
     cap[0] = n_slots
     cap[1:] = n_slots - sizes[:-1]
     cap[b0] = n_slots
-    free_steps = np.flatnonzero(~forced[b0:]) + b0
-    n_free = len(free_steps)
-    # steps whose intervals are all empty cost nothing: always replay-free in the relaxation
+
     lam = np.zeros(T, dtype=np.float64)
-    a_m1 = a - 1
-    best = float(n_free)
+    best = float(len(free))
     target = float(upper) if upper is not None else None
-    theta = 1.0
-    stall = 0
+    theta, stall = 1.0, 0
     for _ in range(iters):
-        cum = np.concatenate([[0.0], np.cumsum(lam)])  # cum[b + 1] = sum lam[..b]
-        cost_i = cum[e + 1] - cum[a_m1 + 1]
-        cost = np.bincount(e, weights=cost_i, minlength=T)
-        slack = np.maximum(0.0, 1.0 - cost[free_steps])
+        cum = np.concatenate([[0.0], np.cumsum(lam)])  # cum[b + 1] = lam[0] + ... + lam[b]
+        cost = n_s * cum[1:] - np.bincount(e_u, weights=w_u * cum[a_u], minlength=T)
+        slack = np.maximum(0.0, 1.0 - cost[free])
         val = float(lam[b0:] @ cap[b0:]) + float(slack.sum())
         if val < best - 1e-9:
             best, stall = val, 0
         else:
             stall += 1
-            if stall >= 10:
+            if stall >= 20:
                 theta, stall = theta / 2, 0
         active = np.zeros(T, dtype=bool)
-        active[free_steps[slack > 0]] = True
-        on = active[e]
-        load = np.bincount(a[on], minlength=T + 1)[:T] - np.bincount(e[on] + 1, minlength=T + 1)[:T]
-        load = np.cumsum(load).astype(np.float64)
-        g = cap - load
+        active[free[slack > 0]] = True
+        on = active[e_u]
+        delta = np.bincount(a_u[on], weights=w_u[on], minlength=T + 1).astype(np.float64)
+        delta[1:] -= n_s * active
+        g = cap - np.cumsum(delta)[:T]
         g[:b0] = 0.0
-        # a coordinate at lam = 0 with a positive gradient cannot move: project it out
-        g[(lam <= 0) & (g > 0)] = 0.0
+        g[(lam <= 0) & (g > 0)] = 0.0  # projection: prices stay >= 0
         gg = float(g @ g)
         if gg == 0.0:
             break
-        goal = target if target is not None else best * 0.95
-        step = theta * max(val - goal, 1e-3 * max(val, 1.0)) / gg
-        lam = np.maximum(0.0, lam - step * g)
-    clean_max = math.floor(best + 1e-9)
+        goal = target if target is not None else 0.9 * best
+        lam = np.maximum(0.0, lam - theta * max(val - goal, 1e-3) / gg * g)
+    clean_max = math.floor(best + 1e-6)
     return n_window - min(clean_max, n_window)
