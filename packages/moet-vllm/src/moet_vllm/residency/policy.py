@@ -21,6 +21,8 @@ A step, as the manager drives it::
   replays with it resident); nothing is prefetched. Free slots are used first, lowest index first.
 - **Pins.** Every key routed by the current step (decode and scan alike, and for a second-order
   replay the union of the step's passes) is pinned: it is never a victim while the step runs.
+  The one exception: when a step's decode and scan keys together outnumber the slots, decode
+  misses take the slots of the step's resident scan keys, which then come back as unplaced.
 - **Victims** are the resident, unpinned keys with the lowest decayed frequency; ties go to the
   least recently used, then to the lowest key id. The same inputs always give the same plan.
 - **Scans.** Prefill keys (``scan``) fill free slots, then may evict only *probation* keys: those
@@ -110,18 +112,22 @@ class Plan:
 
 def lowest(cands: np.ndarray, n: int, *orders: np.ndarray) -> np.ndarray:
     """The ``n`` candidate ids that sort first by ``orders[0][id]``, then ``orders[1][id]``, ...,
-    then by id; in that order. ``cands`` must be sorted ascending. O(len(cands)) plus a sort of the
-    ties at the cut."""
+    then by id; in that order. ``cands`` must be sorted ascending. A partition on the first
+    order, a sort of the ties at the cut and of the ``n`` chosen."""
     if n <= 0:
         return _EMPTY
     first = orders[0][cands]
     if n < len(cands):
         cut = np.partition(first, n - 1)[n - 1]
-        keep = first <= cut
-        cands, first = cands[keep], first[keep]
-    # lexsort: last key is primary; ids break the remaining ties
-    order = np.lexsort((cands, *(o[cands] for o in reversed(orders[1:])), first))
-    return cands[order[:n]]
+        below, ties = cands[first < cut], cands[first == cut]
+        need = n - len(below)
+        if need < len(ties):
+            rest = [o[ties] for o in reversed(orders[1:])]
+            ties = ties[np.lexsort((ties, *rest))[:need]]
+        cands = np.concatenate([below, ties])
+    # lexsort: the last key is the primary one; ids break the remaining ties
+    order = np.lexsort((cands, *(o[cands] for o in reversed(orders[1:])), orders[0][cands]))
+    return cands[order]
 
 
 class ResidencyPolicy:
@@ -200,9 +206,16 @@ class ResidencyPolicy:
         evictable = self.resident
         evictable = evictable[~pinned[evictable]]
 
-        # decode misses: free slots first, then the coldest unpinned keys anywhere
+        # decode misses: free slots first, then the coldest unpinned keys anywhere, and last the
+        # slots of this step's resident scan keys (decode and scan together outnumber the slots)
         n_free = min(len(free), len(miss_dec))
-        victims = self._victims(evictable, len(miss_dec) - n_free)
+        short = len(miss_dec) - n_free
+        victims = self._victims(evictable, min(short, len(evictable)))
+        bumped = _EMPTY
+        if short > len(victims):
+            scan_resident = scn[table[scn] >= 0]
+            bumped = self._victims(scan_resident, short - len(victims))
+            victims = np.concatenate([victims, bumped])
         dec_slots = np.concatenate([free[:n_free], table[victims].astype(np.int64)])
         free = free[n_free:]
 
@@ -220,6 +233,7 @@ class ResidencyPolicy:
             unplaced, miss_scn = miss_scn[placed:], miss_scn[:placed]
         else:
             scn_slots, unplaced = _EMPTY, _EMPTY
+        unplaced = np.sort(np.concatenate([unplaced, bumped]))
 
         evict = np.concatenate([victims, scan_victims])
         return Plan(

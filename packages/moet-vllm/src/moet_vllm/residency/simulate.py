@@ -119,8 +119,9 @@ class BeladyPolicy(ResidencyPolicy):
         doomed = np.zeros(self.never + 1, dtype=bool)
         doomed[self.next_use[self.slot_table.ravel() < 0]] = True
         doomed[self.never] = True
-        costly = (~doomed[self.next_use]).astype(np.int8)
-        return lowest(cands, n, costly, -self.next_use)
+        # one key: keys of doomed steps (never again included) before the others, then MIN
+        prio = np.where(doomed[self.next_use], -(self.never + 1), 0) - self.next_use
+        return lowest(cands, n, prio)
 
     def observe(self, routed: np.ndarray) -> None:
         t = self.steps
