@@ -84,6 +84,7 @@ class ResidencyManager:
         kpi_every: int = 100,
         fetch_attempts: int = 3,
         hot_path: Path | None = None,
+        reduce_max=None,
         device: str | torch.device = "cpu",
     ):
         self.layout, self.n_experts, self.store = layout, n_experts, store
@@ -109,6 +110,7 @@ class ResidencyManager:
         self.counters = Counters()
         self.n_real_tokens: int | None = None  # rows of the current forward that count
         self.hot_path = hot_path  # the persisted hot set (warm starts)
+        self.reduce_max = reduce_max or tp_reduce_max  # miss-count consensus across TP ranks
         # pinned layers (MTP drafter): slots n_slots.., filled once
         for i, o in enumerate(self.pinned):
             slots = n_slots + i * n_experts + np.arange(n_experts)
@@ -199,11 +201,11 @@ class ResidencyManager:
             self.miss_count.zero_()
             self.routed.zero_()
             out = forward()
-            missed = int(self.miss_count.item())  # the one sync of a step
-            missed = self._agree(missed)
+            local = int(self.miss_count.item())  # the one sync of a step
+            missed = self.reduce_max(local)  # every TP rank replays, or none does
             keys = self._routed_keys()
             if attempt == 0:
-                missed_first = missed
+                missed_first = local
             if missed == 0:
                 break
             if attempt == 0 and self.miss_mode == "approximate" and missed <= self.miss_tolerance:
@@ -280,18 +282,6 @@ class ResidencyManager:
         self.apply(plan, scan=keys if scan else None)
         return len(plan.unplaced_keys) == 0
 
-    def _agree(self, missed: int) -> int:
-        """Every tensor-parallel rank takes the same decision: the largest miss count."""
-        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-        if get_tensor_model_parallel_world_size() == 1:
-            return missed
-        t = torch.tensor([missed], dtype=torch.int64)
-        torch.distributed.all_reduce(
-            t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group
-        )
-        return int(t.item())
-
     # -- reporting --
 
     @property
@@ -330,6 +320,19 @@ class ResidencyManager:
         if _active is self:
             _active = None
         self.store.close()
+
+
+def tp_reduce_max(missed: int) -> int:
+    """The largest miss count over the tensor-parallel ranks (CPU group: one small all-reduce)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return missed
+    t = torch.tensor([missed], dtype=torch.int64)
+    torch.distributed.all_reduce(
+        t, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group
+    )
+    return int(t.item())
 
 
 def activate(manager: ResidencyManager) -> None:
