@@ -19,11 +19,21 @@ HERE = Path(__file__).parent
 
 
 def run_vllm(
-    model, tmp_path, name, quantization=None, env=None, mtp=0, attention=None, dtype=None
+    model,
+    tmp_path,
+    name,
+    quantization=None,
+    env=None,
+    mtp=0,
+    attention=None,
+    dtype=None,
+    extra=(),
+    check=True,
 ) -> dict:
-    """vllm_driver.py in a subprocess -> {"tokens", "init_seconds", "spec_decode", "log"}."""
+    """vllm_driver.py in a subprocess -> {"tokens", "init_seconds", "spec_decode", "log"};
+    `extra`: more driver flags; check=False returns {"returncode", "log"} of a failed boot."""
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, str(HERE / "vllm_driver.py"), str(model), str(out)]
+    cmd = [sys.executable, str(HERE / "vllm_driver.py"), str(model), str(out), *extra]
     if dtype:
         cmd += ["--dtype", dtype]
     if quantization:
@@ -35,6 +45,8 @@ def run_vllm(
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
     )
+    if not check and r.returncode != 0:
+        return {"returncode": r.returncode, "log": r.stdout + r.stderr}
     assert r.returncode == 0, r.stderr[-4000:]
     result = json.loads(out.read_text())
     result["log"] = r.stdout + r.stderr

@@ -17,6 +17,15 @@ PROMPTS = [[1, 17, 42, 99, 3, 250], [200, 5, 5, 7, 128, 64, 33, 2, 11]]
 MAX_TOKENS = 8
 
 
+def prompts(n: int) -> list[list[int]]:
+    """PROMPTS, then seeded random prompts of 3-12 tokens up to `n` (all queued at once)."""
+    import random
+
+    rng = random.Random(0)
+    extra = [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 13))] for _ in range(n)]
+    return (PROMPTS + extra)[:n]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -26,6 +35,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA for fp32 MLA")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="more: seeded random ones")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -53,7 +63,7 @@ def main() -> None:
     )
     init = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], sp)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts)], sp)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     spec_counters = {}
     if args.mtp:  # drafts and accepted draft tokens, from vLLM's own metrics

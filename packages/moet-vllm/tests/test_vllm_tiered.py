@@ -1,0 +1,74 @@
+"""Tiered residency end to end on vLLM CPU (float32): a pool smaller than the experts gives the
+greedy tokens of a fully resident run scheduled the same way; KPI lines show the replays; the next
+boot preloads the saved hot set; a pool below the boot floor is refused with the number that works.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from serving import run_vllm
+from tiny_models import write_tiny_model
+
+from moet_quant import convert
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiered")
+    official = write_tiny_model("qwen3_moe", root / "qwen3")  # 2 MoE layers x 16 experts, top-4
+    return convert.convert(official, root / "qwen3-moet", progress=False).out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("packs")
+
+
+def kpis(log: str) -> list[float]:
+    return [float(m) for m in re.findall(r"moet KPI: \d+ steps: replay ([\d.]+)% of steps", log)]
+
+
+def test_a_pool_of_37_percent_serves_the_resident_tokens(model, cache, tmp_path):
+    one_seq = ["--max-num-seqs", "1"]
+    resident = run_vllm(model, tmp_path, "resident", extra=one_seq)
+    env = {"MOET_GPU_POOL": "12", "MOET_KPI_EVERY": "2", "MOET_CACHE_DIR": str(cache)}
+    tiered = run_vllm(model, tmp_path, "tiered", env=env, extra=one_seq)
+    assert tiered["tokens"] == resident["tokens"]
+    log = tiered["log"]
+    assert (
+        "tiered residency: 12 expert slots for 2 MoE layers x 16 experts (pool coverage 37.5%"
+        in log
+    )
+    assert kpis(log) and max(kpis(log)) > 0  # steps did replay
+    assert "warm start: 0 experts preloaded" in log
+
+
+def test_sixteen_concurrent_requests_below_the_floor_with_a_warm_start(model, cache, tmp_path):
+    """16 prompts queued at once, 4 running together, a pool of 16 slots (below the floor of 37
+    for 4 sequences: consented): every output equals the resident run's; the hot set saved by
+    the previous boot is preloaded."""
+    flags = ["--max-num-seqs", "4", "--prompts", "16"]
+    resident = run_vllm(model, tmp_path, "resident16", extra=flags)
+    env = {
+        "MOET_GPU_POOL": "16",
+        "MOET_BELOW_FLOOR_OK": "1",
+        "MOET_KPI_EVERY": "4",
+        "MOET_CACHE_DIR": str(cache),
+    }
+    tiered = run_vllm(model, tmp_path, "tiered16", env=env, extra=flags)
+    assert len(tiered["tokens"]) == 16 and all(len(t) == 8 for t in tiered["tokens"])
+    assert tiered["tokens"] == resident["tokens"]
+    preloaded = re.search(r"warm start: (\d+) experts preloaded", tiered["log"])
+    assert preloaded and int(preloaded.group(1)) > 0, tiered["log"][-3000:]
+
+
+def test_a_pool_below_the_floor_is_refused_with_the_number_that_works(model, cache, tmp_path):
+    env = {"MOET_GPU_POOL": "4", "MOET_CACHE_DIR": str(cache)}
+    r = run_vllm(model, tmp_path, "floor", env=env, extra=["--max-num-seqs", "1"], check=False)
+    assert r["returncode"] != 0
+    assert "gives 4 expert slots, below the boot floor of 10" in r["log"]
+    assert "set gpu_pool >= 10" in r["log"]
