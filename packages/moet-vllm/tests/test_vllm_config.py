@@ -100,3 +100,22 @@ def test_every_env_variable_is_a_documented_field():
     assert used <= fields, (
         f"MOET_* variables read in code but not MoetConfig fields: {used - fields}"
     )
+
+
+def test_residency_fields_and_their_combinations():
+    cfg = resolve(None, {"moet": {"gpu_pool": "25%", "host_tier": "pagecache"}}, {})
+    assert config.pool_slots(cfg, 200) == 50 and cfg.host_tier == "pagecache"
+    assert config.pool_slots(resolve(None, None, {"MOET_GPU_POOL": "40"}), 200) == 40
+    assert config.pool_slots(resolve(None, None, {"MOET_GPU_POOL": "400"}), 200) is None
+    assert config.pool_slots(resolve(None, None, {}), 200) is None  # "all"
+    for bad in ("0", "150%", "-3", "lots"):
+        with pytest.raises(MoetConfigError, match=f"gpu_pool={bad!r} is not valid"):
+            resolve(None, None, {"MOET_GPU_POOL": bad})
+    with pytest.raises(MoetConfigError, match="MOET_MAX_REPLAYS.*an integer >= 1"):
+        resolve(None, None, {"MOET_MAX_REPLAYS": "0"})
+    with pytest.raises(MoetConfigError, match="only miss_mode='approximate' allows"):
+        resolve(None, None, {"MOET_MISS_TOLERANCE": "2"})
+    ok = resolve(None, None, {"MOET_MISS_TOLERANCE": "2", "MOET_MISS_MODE": "approximate"})
+    assert ok.miss_tolerance == 2
+    with pytest.raises(MoetConfigError, match="pack_cache is off"):
+        resolve(None, None, {"MOET_GPU_POOL": "10", "MOET_PACK_CACHE": "0"})
