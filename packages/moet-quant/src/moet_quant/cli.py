@@ -1,4 +1,4 @@
-"""`moet-quant` command line: inspect, study, convert.
+"""`moet-quant` command line: inspect, study, convert, eval.
 
 `add_subcommands` is the one definition of these subcommands: the user-facing `moet` command
 (moet-vllm) mounts the same parsers and functions. User errors print one line and exit 2.
@@ -96,8 +96,36 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .quality import DEFAULT_VARIANTS, EvalOptions, evaluate, format_table, write_report
+
+    try:
+        tokens = np.load(args.tokens)
+    except (OSError, ValueError) as e:
+        raise MoetError(f"cannot read token file {args.tokens}: {e}") from None
+    if tokens.ndim != 1:
+        raise MoetError(f"{args.tokens}: expected a 1-D array of token ids, got {tokens.shape}")
+    variants = tuple(args.variant) if args.variant else DEFAULT_VARIANTS
+    if variants[0] != "bf16":
+        variants = ("bf16",) + tuple(v for v in variants if v != "bf16")
+    opts = EvalOptions(
+        variants=variants,
+        window=args.window,
+        max_tokens=args.max_tokens,
+        n_boot=args.n_boot,
+        extra={"token_file": str(args.tokens)},
+    )
+    report = evaluate(args.checkpoint, tokens, opts)
+    if args.json:
+        write_report(report, args.json)
+    print(format_table(report))
+    return 0
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Add inspect, study and convert to a subparsers object (shared with `moet`)."""
+    """Add inspect, study, convert and eval to a subparsers object (shared with `moet`)."""
     p = sub.add_parser(
         "inspect",
         help="what a MoE checkpoint holds: format, geometry, bytes per tier",
@@ -151,6 +179,28 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print sizes per tier, write nothing")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser(
+        "eval",
+        help="quality harness: bf16 vs W2 variants (perplexity, top-1 agreement, KL)",
+        description="Run the checkpoint through transformers (float32) with each variant's "
+        "dequantized routed experts over a token file; report perplexity, top-1 agreement and "
+        "KL against bf16, paired-bootstrap significance, greedy loops, per-tensor rel-RMS/bias. "
+        "Needs transformers.",
+    )
+    p.add_argument("checkpoint", help="a bf16 Hugging Face checkpoint transformers can load")
+    p.add_argument("--tokens", required=True, help=".npy of token ids (1-D)")
+    p.add_argument(
+        "--variant",
+        action="append",
+        choices=["bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt"],
+        help="(repeatable; default all; bf16 always runs first)",
+    )
+    p.add_argument("--window", type=int, default=1024, help="tokens per window (context)")
+    p.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
+    p.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    p.set_defaults(func=cmd_eval)
 
 
 def run(args: argparse.Namespace, prog: str) -> int:

@@ -1,0 +1,375 @@
+"""Quality harness (`moet-quant eval` / `moet eval`): what a quantization format does to a model.
+
+The forward passes run through an implementation that is not moet's serving code: Hugging Face
+transformers, float32, with each variant's routed-expert weights replaced by their dequantized
+values (every other tensor is the checkpoint's). So the harness judges formats, not kernels.
+
+Variants (`VARIANTS`), each a function of one expert projection w [N, K] in float64 (the
+checkpoint's exact values) to its dequantized float64 replacement:
+
+* ``bf16``            the checkpoint itself (the reference of every comparison);
+* ``w2-reference``    moet's W2 reference quantizer (sign-symmetric {-4,-1,1,4}, UE8M0 per 32,
+                      zero balancing ``auto``): ``w2.quantize_f64(w, "auto", "reference")``;
+* ``w2-optimal``      the error-optimal exponent mode (e-1, e, e+1 searched per block);
+* ``w2-nobalance``    the reference quantizer without zero balancing (zero mode ``sign``);
+* ``w2-l2opt``        the ablation: the tensor's L2-optimal asymmetric 4-level codebook
+                      (moet_quant.study), with the reference block exponents.
+
+Measured on windows of a token file (uint16/int .npy, every window's tokens predicting the next):
+
+* perplexity; top-1 agreement with ``bf16`` (argmax equal); KL(bf16 || variant) of the next-token
+  distributions per token: mean and 99th percentile;
+* significance of the mean next-token loss difference against ``bf16`` and against
+  ``w2-reference``: a paired bootstrap over windows (seeded; 95% interval; "significant" when it
+  excludes 0);
+* greedy generation from fixed prompts (the first ``prompt_len`` tokens of the first windows): the
+  longest prefix equal to bf16's and a loop detector (the last 32 tokens repeat with a period of at
+  most 8 tokens);
+* per-tensor rel-RMS and signed bias (study.py's definitions: sqrt(mean((ŵ-w)²))/rms(w) and
+  mean(ŵ-w)/rms(w)) over every routed expert projection.
+
+Deterministic: no sampling anywhere, a seeded bootstrap, the thread count recorded; the same
+inputs and thread count give the same JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import study, w2
+from .errors import MoetError
+
+DEFAULT_VARIANTS = ("bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt")
+LOOP_TAIL, LOOP_PERIOD = 32, 8
+
+
+def _w2(zero_mode: str, mode: str):
+    def q(w: np.ndarray) -> np.ndarray:
+        return w2.quantize_f64(w, zero_mode, mode).dequant()
+
+    return q
+
+
+def _l2opt(w: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    blocks = w.reshape(n, k // w2.BLOCK, w2.BLOCK)
+    scale = np.exp2(w2.block_exponent(np.abs(blocks).max(-1)).astype(np.float64))[..., None]
+    u = (blocks / scale).reshape(n, k)
+    levels, _ = study.fit_levels(u)
+    q = study.assign_levels(u, levels, w == 0).reshape(blocks.shape) * scale
+    return q.reshape(n, k)
+
+
+VARIANTS = {
+    "bf16": lambda w: w,
+    "w2-reference": _w2("auto", "reference"),
+    "w2-optimal": _w2("auto", "optimal"),
+    "w2-nobalance": _w2("sign", "reference"),
+    "w2-l2opt": _l2opt,
+}
+
+
+@dataclass
+class EvalOptions:
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    window: int = 1024
+    max_tokens: int | None = None
+    batch: int = 8
+    n_boot: int = 2000
+    seed: int = 0
+    n_prompts: int = 8
+    prompt_len: int = 16
+    gen_tokens: int = 48
+    extra: dict = field(default_factory=dict)
+
+
+# --- the model's routed experts -------------------------------------------------------------------
+
+
+def expert_modules(model) -> list[tuple[str, object]]:
+    """transformers' fused expert modules (3-D ``gate_up_proj`` [E, 2I, H] and ``down_proj``
+    [E, H, I], gate rows first), by name. Other layouts are refused."""
+    found = []
+    for name, m in model.named_modules():
+        gu, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+        if gu is None or down is None or getattr(gu, "ndim", 0) != 3:
+            continue
+        if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False):
+            raise MoetError(
+                f"{name}: transposed or biased fused experts are not supported by the harness yet"
+            )
+        found.append((name, m))
+    if not found:
+        raise MoetError(
+            "no routed experts found (expected transformers' fused gate_up_proj/down_proj)"
+        )
+    return found
+
+
+def projections(module) -> list[tuple[str, np.ndarray]]:
+    """(projection, float64 [N, K]) for every expert of one fused module: gate, up, down."""
+    gu = module.gate_up_proj.detach().double().numpy()
+    down = module.down_proj.detach().double().numpy()
+    inter = gu.shape[1] // 2
+    out = []
+    for e in range(gu.shape[0]):
+        out += [
+            (f"{e}.gate_proj", gu[e, :inter]),
+            (f"{e}.up_proj", gu[e, inter:]),
+            (f"{e}.down_proj", down[e]),
+        ]
+    return out
+
+
+def _tensor_stats(w: np.ndarray, q: np.ndarray) -> tuple[float, float]:
+    rms = math.sqrt(float(np.mean(w * w)))
+    if rms == 0.0:
+        return 0.0, 0.0
+    err = q - w
+    return math.sqrt(float(np.mean(err * err))) / rms, float(np.mean(err)) / rms
+
+
+def quantized_copy(model, variant: str) -> tuple[object, list[dict]]:
+    """A copy of `model` whose routed experts hold `variant`'s dequantized weights, and the
+    per-tensor rel-RMS / bias of that variant."""
+    import torch
+
+    fn = VARIANTS[variant]
+    out = copy.deepcopy(model)
+    stats = []
+    for name, m in expert_modules(out):
+        gu = m.gate_up_proj.detach().double().numpy().copy()
+        down = m.down_proj.detach().double().numpy().copy()
+        inter = gu.shape[1] // 2
+        for proj, w in projections(m):
+            q = fn(w)
+            rel, bias = _tensor_stats(w, q)
+            stats.append({"tensor": f"{name}.{proj}", "rel_rms": rel, "bias": bias})
+            e, kind = proj.split(".")
+            e = int(e)
+            if kind == "gate_proj":
+                gu[e, :inter] = q
+            elif kind == "up_proj":
+                gu[e, inter:] = q
+            else:
+                down[e] = q
+        with torch.no_grad():
+            m.gate_up_proj.copy_(torch.from_numpy(gu))
+            m.down_proj.copy_(torch.from_numpy(down))
+    return out, stats
+
+
+# --- metrics -------------------------------------------------------------------------------------
+
+
+def windows_of(n_tokens: int, window: int) -> list[tuple[int, int]]:
+    """(start, length) of the inputs: tokens[start:start+length] predict the next ones."""
+    n = n_tokens - 1
+    return [(s, min(window, n - s)) for s in range(0, n, window)]
+
+
+def _batches(tokens: np.ndarray, window: int, batch: int):
+    groups: dict[int, list[int]] = {}
+    for s, n in windows_of(tokens.size, window):
+        groups.setdefault(n, []).append(s)
+    for n, starts in groups.items():
+        for b in range(0, len(starts), batch):
+            chunk = starts[b : b + batch]
+            yield n, chunk, np.stack([tokens[s : s + n + 1] for s in chunk]).astype(np.int64)
+
+
+def bootstrap(diff_sum: np.ndarray, count: np.ndarray, n_boot: int, seed: int) -> dict:
+    """Paired bootstrap over windows of a token-weighted mean difference: resample windows with
+    replacement; the 2.5/97.5 percentiles of the resampled means."""
+    rng = np.random.default_rng(seed)
+    n = diff_sum.size
+    idx = rng.integers(0, n, size=(n_boot, n))
+    means = diff_sum[idx].sum(1) / count[idx].sum(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    mean = float(diff_sum.sum() / count.sum())
+    return {
+        "mean": mean,
+        "ci95": [float(lo), float(hi)],
+        "significant": bool(lo > 0 or hi < 0),
+    }
+
+
+def loop_period(seq: list[int], tail: int = LOOP_TAIL, max_period: int = LOOP_PERIOD) -> int:
+    """The smallest p <= max_period with seq[-tail:] periodic of period p, else 0."""
+    if len(seq) < tail:
+        return 0
+    t = seq[-tail:]
+    for p in range(1, max_period + 1):
+        if all(t[i] == t[i - p] for i in range(p, tail)):
+            return p
+    return 0
+
+
+def evaluate(model_dir: str | Path, tokens: np.ndarray, opts: EvalOptions | None = None) -> dict:
+    """Run every variant over `tokens` and return the report (see the module doc)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    opts = opts or EvalOptions()
+    unknown = [v for v in opts.variants if v not in VARIANTS]
+    if unknown or opts.variants[:1] != ("bf16",):
+        raise MoetError(f"variants must start with bf16 and be among {list(VARIANTS)}: {unknown}")
+    t0 = time.time()
+    tokens = np.asarray(tokens)
+    if opts.max_tokens:
+        tokens = tokens[: opts.max_tokens + 1]
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    models, tensor_stats = {}, {}
+    for v in opts.variants:
+        models[v], tensor_stats[v] = (ref, []) if v == "bf16" else quantized_copy(ref, v)
+        models[v].eval()
+
+    wins = windows_of(tokens.size, opts.window)
+    n_win, n_tok = len(wins), tokens.size - 1
+    win_index = {s: i for i, (s, _) in enumerate(wins)}
+    nll = {v: np.zeros(n_win) for v in opts.variants}
+    agree = {v: 0 for v in opts.variants}
+    kl_all = {v: np.empty(n_tok) for v in opts.variants}
+    count = np.zeros(n_win)
+    with torch.no_grad():
+        for n, starts, x in _batches(tokens, opts.window, opts.batch):
+            inp, tgt = torch.from_numpy(x[:, :-1]), torch.from_numpy(x[:, 1:])
+            ref_lp = torch.log_softmax(models["bf16"](input_ids=inp).logits.double(), -1)
+            ref_top = ref_lp.argmax(-1)
+            for v in opts.variants:
+                lp = (
+                    ref_lp
+                    if v == "bf16"
+                    else torch.log_softmax(models[v](input_ids=inp).logits.double(), -1)
+                )
+                tok_nll = -lp.gather(-1, tgt[..., None])[..., 0]
+                kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0.0)
+                agree[v] += int((lp.argmax(-1) == ref_top).sum())
+                for j, s in enumerate(starts):
+                    i = win_index[s]
+                    nll[v][i] = float(tok_nll[j].sum())
+                    kl_all[v][s : s + n] = kl[j].numpy()
+            for s in starts:
+                count[win_index[s]] = n
+
+    gen = _generation(models, tokens, opts)
+    report: dict = {
+        "model": str(model_dir),
+        "tokens": int(n_tok),
+        "windows": n_win,
+        "window": opts.window,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "n_boot": opts.n_boot,
+        "seed": opts.seed,
+        "gen_tokens": opts.gen_tokens,
+        **opts.extra,
+        "variants": {},
+    }
+    for v in opts.variants:
+        loss = float(nll[v].sum() / count.sum())
+        st = tensor_stats[v]
+        row = {
+            "loss": loss,
+            "ppl": math.exp(loss),
+            "top1_agreement": agree[v] / n_tok,
+            "kl_mean": float(kl_all[v].mean()),
+            "kl_p99": float(np.percentile(kl_all[v], 99)),
+            "generation": gen[v],
+        }
+        if v != "bf16":
+            row["vs_bf16"] = bootstrap(nll[v] - nll["bf16"], count, opts.n_boot, opts.seed)
+            if v != "w2-reference" and "w2-reference" in nll:
+                row["vs_w2_reference"] = bootstrap(
+                    nll[v] - nll["w2-reference"], count, opts.n_boot, opts.seed
+                )
+            rel = np.array([s["rel_rms"] for s in st])
+            bias = np.array([s["bias"] for s in st])
+            row["tensors"] = {
+                "n": len(st),
+                "rel_rms_mean": float(rel.mean()),
+                "rel_rms_max": float(rel.max()),
+                "bias_mean": float(bias.mean()),
+                "abs_bias_mean": float(np.abs(bias).mean()),
+                "abs_bias_max": float(np.abs(bias).max()),
+            }
+        report["variants"][v] = row
+    report["seconds"] = time.time() - t0
+    return report
+
+
+def _generation(models: dict, tokens: np.ndarray, opts: EvalOptions) -> dict:
+    import torch
+
+    prompts = [
+        tokens[s : s + opts.prompt_len].astype(np.int64)
+        for s, n in windows_of(tokens.size, opts.window)[: opts.n_prompts]
+        if n >= opts.prompt_len
+    ]
+    outs: dict[str, list[list[int]]] = {}
+    with torch.no_grad():
+        for v, m in models.items():
+            outs[v] = []
+            for p in prompts:
+                ids = torch.from_numpy(p)[None]
+                g = m.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=opts.gen_tokens,
+                    min_new_tokens=opts.gen_tokens,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+                outs[v].append(g[0, ids.shape[1] :].tolist())
+    res = {}
+    for v, seqs in outs.items():
+        prefix = []
+        for a, b in zip(seqs, outs["bf16"]):
+            prefix.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)))
+        periods = [loop_period(s) for s in seqs]
+        res[v] = {
+            "prompts": len(seqs),
+            "looping": sum(p > 0 for p in periods),
+            "loop_periods": periods,
+            "mean_prefix_equal_bf16": float(np.mean(prefix)) if prefix else 0.0,
+        }
+    return res
+
+
+# --- output --------------------------------------------------------------------------------------
+
+
+def format_table(report: dict) -> str:
+    """A Markdown table of the report's variants (* marks a significant loss difference)."""
+    lines = [
+        "| variant | ppl | Δ loss vs bf16 [95% CI] | top-1 agree | KL mean | KL p99 | "
+        "rel-RMS (mean) | abs. bias (mean) | greedy tokens = bf16 (mean) | looping prompts |",
+        "|" + "---|" * 10,
+    ]
+    for v, r in report["variants"].items():
+        d, t, g = r.get("vs_bf16"), r.get("tensors"), r["generation"]
+        delta = "—"
+        if d:
+            delta = f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+            delta += " *" if d["significant"] else ""
+        rel = f"{t['rel_rms_mean']:.4f}" if t else "—"
+        bias = f"{t['abs_bias_mean']:.5f}" if t else "—"
+        lines.append(
+            f"| {v} | {r['ppl']:.4f} | {delta} | {r['top1_agreement']:.4f} | "
+            f"{r['kl_mean']:.5f} | {r['kl_p99']:.4f} | {rel} | {bias} | "
+            f"{g['mean_prefix_equal_bf16']:.1f} of {report.get('gen_tokens', '?')} | "
+            f"{g['looping']} of {g['prompts']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=1) + "\n")
