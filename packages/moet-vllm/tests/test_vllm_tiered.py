@@ -6,9 +6,11 @@ boot preloads the saved hot set; a pool below the boot floor is refused with the
 from __future__ import annotations
 
 import re
+import time
+import urllib.request
 
 import pytest
-from serving import run_vllm
+from serving import NAME, Server, run_vllm
 from tiny_models import write_tiny_model
 
 from moet_quant import convert
@@ -72,3 +74,27 @@ def test_a_pool_below_the_floor_is_refused_with_the_number_that_works(model, cac
     assert r["returncode"] != 0
     assert "gives 4 expert slots, below the boot floor of 10" in r["log"]
     assert "set gpu_pool >= 10" in r["log"]
+
+
+def test_openai_server_reports_residency_on_metrics(model, tmp_path):
+    """`moet serve` with a partial pool: completions work, and the workers' residency counters
+    reach the API server's Prometheus `/metrics` (residency/metrics.py)."""
+    env = {"MOET_GPU_POOL": "12", "MOET_KPI_EVERY": "2"}
+    srv = Server(model, tmp_path / "server.log", tmp_path / "cache", ["--max-num-seqs", "1"], env)
+    try:
+        srv.wait_ready()
+        for prompt in ("Hello", "Two-bit experts"):
+            r = srv.post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 6})
+            assert r["usage"]["completion_tokens"] == 6
+        time.sleep(1.5)  # workers publish at most once a second
+        srv.post("/v1/completions", {"model": NAME, "prompt": "again", "max_tokens": 2})
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    finally:
+        assert srv.stop() == 0
+    metric = dict(re.findall(r'^(moet_\w+)\{rank="0"\} ([\d.e+]+)$', text, re.M))
+    assert float(metric["moet_steps_total"]) >= 10, text[-2000:]
+    assert float(metric["moet_replayed_steps_total"]) > 0
+    assert float(metric["moet_fetched_bytes_total"]) > 0
+    assert float(metric["moet_pool_coverage"]) == pytest.approx(0.375)
+    assert "moet KPI:" in srv.log()

@@ -6,8 +6,9 @@ workers), possibly more than once, so `register()` is idempotent.
 What it does: checks the installed vLLM against `compat.SUPPORTED` (raising `MoetVllmError`
 outside it) and registers the "moet" quantization method (`vllm_method.MoetQuantConfig`). A model
 without a moet `quantization_config` and without `--quantization moet` never reaches moet code, so
-it serves exactly as without the plugin. The worker hooks for miss/replay come with tiered
-residency.
+it serves exactly as without the plugin. It also names the directory through which workers
+report tiered-residency counters to `/metrics` (residency/metrics.py); the runner hook for
+miss/replay is installed when a model is loaded with tiered residency.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def register() -> None:
 
             if "moet" not in QUANTIZATION_METHODS:
                 register_quantization_config("moet")(MoetQuantConfig)
+            _serve_residency_metrics()
             logger.info(
                 "moet-vllm %s: loaded by %s %s (supported %s); quantization method 'moet' "
                 "registered",
@@ -53,6 +55,24 @@ def register() -> None:
                 compat.SUPPORTED,
             )
         _registered = True
+
+
+def _serve_residency_metrics() -> None:
+    """The first vLLM process names the directory workers report residency counters to, and
+    exposes them on `/metrics` (residency/metrics.py); harmless for models without tiering."""
+    import os
+    from pathlib import Path
+
+    from moet_store import default_cache_dir
+
+    from .residency import metrics
+
+    root = Path(os.environ.get("MOET_CACHE_DIR") or default_cache_dir())
+    try:
+        if metrics.name_run_dir(root):
+            metrics.install_collector()
+    except OSError as e:  # never stop vLLM for metrics
+        logger.warning("moet: residency metrics unavailable (%s)", e)
 
 
 def is_registered() -> bool:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ..compat import MoetVllmError
+from .metrics import Publisher
 from .policy import ResidencyPolicy, key_pairs
 
 log = logging.getLogger("vllm.moet")
@@ -85,6 +86,7 @@ class ResidencyManager:
         fetch_attempts: int = 3,
         hot_path: Path | None = None,
         reduce_max=None,
+        rank: int = 0,
         device: str | torch.device = "cpu",
     ):
         self.layout, self.n_experts, self.store = layout, n_experts, store
@@ -111,6 +113,7 @@ class ResidencyManager:
         self.n_real_tokens: int | None = None  # rows of the current forward that count
         self.hot_path = hot_path  # the persisted hot set (warm starts)
         self.reduce_max = reduce_max or tp_reduce_max  # miss-count consensus across TP ranks
+        self.publisher = Publisher(rank)  # counters for vLLM's /metrics (metrics.py)
         # pinned layers (MTP drafter): slots n_slots.., filled once
         for i, o in enumerate(self.pinned):
             slots = n_slots + i * n_experts + np.arange(n_experts)
@@ -234,9 +237,11 @@ class ResidencyManager:
         c.missing_pairs += missed_first
         if not scan:
             self.policy.observe(keys)
-        if self.kpi_every and c.steps % self.kpi_every == 0:
+        kpi = bool(self.kpi_every) and c.steps % self.kpi_every == 0
+        if kpi:
             log.info("%s", self.kpi_line())
             self.save_hot_set()
+        self.publisher.publish(c, self.coverage, force=kpi)
         return out
 
     # -- warm starts --

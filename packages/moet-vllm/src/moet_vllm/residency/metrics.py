@@ -1,0 +1,130 @@
+"""Residency counters on vLLM's `/metrics`: from the workers to the API server, through files.
+
+vLLM's Prometheus endpoint lives in the API server process; moet's counters live in the workers
+(two process hops away, behind the engine core). The path, documented in docs/residency.md:
+
+1. `register()` runs first in the process that starts vLLM (the API server, or the `vllm.LLM`
+   caller) and names a run directory under moet's cache dir in `_MOET_RUN_DIR`; every process
+   vLLM spawns inherits it.
+2. Each worker's residency manager writes its counters there (`rank<r>.json`, atomically, at most
+   once a second and at every KPI line).
+3. A Prometheus collector registered in that first process reads the files at scrape time and
+   exposes `moet_*` metrics, labelled by TP rank.
+
+Nothing is written unless a model is served with tiered residency. With several API server
+processes (PROMETHEUS_MULTIPROC_DIR), vLLM builds its registry per scrape and moet's collector is
+not in it: read the JSON files instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+RUN_DIR_ENV = "_MOET_RUN_DIR"  # not MOET_*: those are MoetConfig fields
+# counter name in residency.manager.Counters -> (metric name, help)
+COUNTERS = {
+    "steps": ("moet_steps", "Forward steps run with tiered residency"),
+    "replayed_steps": ("moet_replayed_steps", "Steps whose first forward pass missed experts"),
+    "replays": ("moet_replays", "Forward passes re-run after a fetch"),
+    "second_order": ("moet_second_order_replays", "Replays beyond the first of a step"),
+    "missing_pairs": ("moet_missing_pairs", "Routed (token, expert) pairs that missed"),
+    "fetched_rows": ("moet_fetched_experts", "Expert rows copied into the pool"),
+    "fetched_bytes": ("moet_fetched_bytes", "Bytes copied into the pool"),
+    "streamed_steps": ("moet_streamed_steps", "Steps larger than the pool, streamed per layer"),
+    "unrestored_steps": ("moet_unrestored_steps", "Steps served with zeroed experts (approx.)"),
+    "fetch_retries": ("moet_fetch_retries", "Host-tier reads retried"),
+}
+
+
+def run_dir() -> Path | None:
+    d = os.environ.get(RUN_DIR_ENV)
+    return Path(d) if d else None
+
+
+def name_run_dir(cache_root: Path) -> bool:
+    """In the first vLLM process: name the directory its workers will report to (created by the
+    first report) and remove those of runs whose process is gone; -> whether this process is the
+    first (it then serves the metrics)."""
+    if RUN_DIR_ENV in os.environ:
+        return False
+    runs = cache_root / "runs"
+    os.environ[RUN_DIR_ENV] = str(runs / f"{os.getpid()}-{int(time.time())}")
+    for old in runs.glob("*-*") if runs.is_dir() else []:
+        pid = old.name.split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            for f in old.iterdir():
+                f.unlink(missing_ok=True)
+            old.rmdir()
+    return True
+
+
+class Publisher:
+    """A worker's side: its counters to `<run dir>/rank<r>.json`, throttled."""
+
+    def __init__(self, rank: int, every_s: float = 1.0):
+        d = run_dir()
+        self.path = d / f"rank{rank}.json" if d else None
+        self.every_s, self.last = every_s, 0.0
+
+    def publish(self, counters, coverage: float, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.path is None or (not force and now - self.last < self.every_s):
+            return
+        self.last = now
+        data = {k: getattr(counters, k) for k in COUNTERS}
+        data["pool_coverage"] = coverage
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
+        except OSError:  # metrics never fail a step
+            self.path = None
+
+
+class Collector:
+    """The API server's side: a prometheus_client collector over the workers' files."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        d = run_dir()
+        files = sorted(d.glob("rank*.json")) if d and d.is_dir() else []
+        ranks = []
+        for f in files:
+            try:
+                ranks.append((f.stem.removeprefix("rank"), json.loads(f.read_text())))
+            except (OSError, ValueError):
+                continue
+        if not ranks:
+            return
+        for key, (name, doc) in COUNTERS.items():
+            m = CounterMetricFamily(name, doc, labels=["rank"])
+            for rank, data in ranks:
+                m.add_metric([rank], float(data.get(key, 0)))
+            yield m
+        g = GaugeMetricFamily(
+            "moet_pool_coverage", "Share of the experts the device pool holds", labels=["rank"]
+        )
+        for rank, data in ranks:
+            g.add_metric([rank], float(data.get("pool_coverage", 0)))
+        yield g
+
+
+_collector: Collector | None = None
+
+
+def install_collector() -> None:
+    """Register the collector with prometheus_client's default registry (vLLM's `/metrics`)."""
+    global _collector
+    if _collector is not None:
+        return
+    try:
+        from prometheus_client import REGISTRY
+    except ImportError:
+        return
+    _collector = Collector()
+    REGISTRY.register(_collector)
