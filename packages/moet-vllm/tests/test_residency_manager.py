@@ -53,8 +53,8 @@ class Stack:
         w.close()
         self.directory = directory
 
-    def store(self, **kw):
-        return moet_store.open_store(self.directory, self.spec, backend="ram", **kw)
+    def store(self, backend="ram", **kw):
+        return moet_store.open_store(self.directory, self.spec, backend=backend, **kw)
 
     def forward(self, x: torch.Tensor, mgr: ResidencyManager | None) -> torch.Tensor:
         h = x
@@ -91,10 +91,12 @@ def steps(seed: int, n: int):
         yield torch.from_numpy(rng.standard_normal((t, H)).astype(np.float32)), t == 12
 
 
-@pytest.mark.parametrize("n_slots", [4, 7, 12, 24])
-def test_tiered_outputs_are_bit_identical_to_the_resident_stack(tmp_path, n_slots):
+@pytest.mark.parametrize(
+    "n_slots, host_tier", [(4, "ram"), (7, "pagecache"), (12, "tiered"), (24, "ram")]
+)
+def test_tiered_outputs_are_bit_identical_to_the_resident_stack(tmp_path, n_slots, host_tier):
     stack = Stack(n_slots, tmp_path)
-    mgr = manager(stack, n_slots)
+    mgr = manager(stack, n_slots, store=stack.store(host_tier))
     for x, scan in steps(n_slots, 40):
         want = stack.forward(x, None)
         got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
