@@ -222,3 +222,26 @@ def test_tensor_parallel_ranks_replay_together(tmp_path):
     # rank 0 had nothing to fetch, yet ran exactly as many passes as rank 1
     assert calls[0] == calls[1] >= 2
     assert ranks[0].counters.missing_pairs == 0 and ranks[1].counters.missing_pairs > 0
+
+
+def test_moet_tune_changes_a_running_manager(tmp_path, monkeypatch, caplog):
+    from moet_vllm import cli
+    from moet_vllm.residency import metrics
+
+    run = tmp_path / "run"
+    monkeypatch.setenv(metrics.RUN_DIR_ENV, str(run))
+    stack = Stack(10, tmp_path)
+    mgr = manager(stack, 12)
+    assert (
+        cli.main(["tune", "miss_mode=approximate", "miss_tolerance=1000", "--run", str(run)]) == 0
+    )
+    x = torch.randn(2, H)
+    mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+    assert mgr.miss_mode == "approximate" and mgr.counters.unrestored_steps == 1
+    # a bad value written behind the CLI's back is logged and ignored
+    (run / metrics.TUNE_FILE).write_text('{"max_replays": "many"}')
+    mgr.tune.last = 0.0
+    with caplog.at_level("WARNING"):
+        mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+    assert mgr.max_replays == 4 and "ignoring runtime settings" in caplog.text
+    assert cli.main(["tune", "gpu_pool=10", "--run", str(run)]) == 2  # not runtime-tunable

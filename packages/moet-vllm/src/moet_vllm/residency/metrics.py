@@ -1,4 +1,4 @@
-"""Residency counters on vLLM's `/metrics`: from the workers to the API server, through files.
+"""The run directory: residency counters to vLLM's `/metrics`, and runtime tuning from `moet tune`.
 
 vLLM's Prometheus endpoint lives in the API server process; moet's counters live in the workers
 (two process hops away, behind the engine core). The path, documented in docs/residency.md:
@@ -10,6 +10,9 @@ vLLM's Prometheus endpoint lives in the API server process; moet's counters live
    once a second and at every KPI line).
 3. A Prometheus collector registered in that first process reads the files at scrape time and
    exposes `moet_*` metrics, labelled by TP rank.
+
+The same directory carries runtime tuning the other way: `moet tune KEY=VALUE` writes
+`tune.json` there, and each worker applies it (validated as at boot) within a second.
 
 Nothing is written unless a model is served with tiered residency. With several API server
 processes (PROMETHEUS_MULTIPROC_DIR), vLLM builds its registry per scrape and moet's collector is
@@ -83,6 +86,57 @@ class Publisher:
             os.replace(tmp, self.path)
         except OSError:  # metrics never fail a step
             self.path = None
+
+
+TUNE_FILE = "tune.json"
+
+
+def live_run_dirs(cache_root: Path) -> list[Path]:
+    """Run directories of vLLM processes still alive, newest first."""
+    runs = cache_root / "runs"
+    found = [
+        d
+        for d in (runs.glob("*-*") if runs.is_dir() else [])
+        if d.name.split("-")[0].isdigit() and Path(f"/proc/{d.name.split('-')[0]}").exists()
+    ]
+    return sorted(found, key=lambda d: int(d.name.split("-")[1]), reverse=True)
+
+
+def write_tune(directory: Path, values: dict) -> Path:
+    """Merge `values` into the run's tune.json (atomically)."""
+    path = directory / TUNE_FILE
+    current = json.loads(path.read_text()) if path.is_file() else {}
+    current.update(values)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(current, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+class TuneWatcher:
+    """A worker's side of `moet tune`: the tune.json of its run, re-read when it changes."""
+
+    def __init__(self, every_s: float = 1.0):
+        d = run_dir()
+        self.path = d / TUNE_FILE if d else None
+        self.every_s, self.last, self.mtime = every_s, 0.0, None
+
+    def poll(self) -> dict | None:
+        """The whole tune.json when it changed since the last poll, else None."""
+        now = time.monotonic()
+        if self.path is None or now - self.last < self.every_s:
+            return None
+        self.last = now
+        try:
+            mtime = self.path.stat().st_mtime_ns
+            if mtime == self.mtime:
+                return None
+            self.mtime = mtime
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
 
 
 class Collector:
