@@ -198,11 +198,13 @@ def svg(rows: list[dict]) -> str:
         parts.append(
             f'<rect x="{x0}" y="{y0}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>'
         )
+        xmax = 50 if max(FRACTIONS[name]) <= 0.5 else 100  # pool % at the right edge
         for v in range(0, 101, 20):
             yy = y0 + ph - ph * v / 100
-            xx = x0 + pw * v / 100
             parts.append(f'<line x1="{x0}" y1="{yy}" x2="{x0 + pw}" y2="{yy}" stroke="#ddd"/>')
             parts.append(f'<text x="{x0 - 5}" y="{yy + 4}" text-anchor="end">{v}</text>')
+        for v in range(0, xmax + 1, xmax // 5):
+            xx = x0 + pw * v / xmax
             parts.append(f'<line x1="{xx}" y1="{y0}" x2="{xx}" y2="{y0 + ph}" stroke="#eee"/>')
             parts.append(f'<text x="{xx}" y="{y0 + ph + 14}" text-anchor="middle">{v}</text>')
         parts.append(
@@ -217,7 +219,8 @@ def svg(rows: list[dict]) -> str:
             pts = []
             for r in sel:
                 y = r["lower_bound"]["replay_pct"] if key == "bound" else r[key]["replay_pct"]
-                pts.append(f"{x0 + pw * r['pool_fraction']:.1f},{y0 + ph - ph * y / 100:.1f}")
+                xx = x0 + pw * 100 * r["pool_fraction"] / xmax
+                pts.append(f"{xx:.1f},{y0 + ph - ph * y / 100:.1f}")
             if not pts:
                 continue
             dash = ' stroke-dasharray="4 3"' if key in ("bound", "min") else ""

@@ -15,6 +15,11 @@ Where the experts come from:
 Routing and compute (monolithic): `apply_monolithic` receives the router logits, routes with
 moet-kernels' `route_reference` and runs its torch MoE reference in `exact` mode (the CPU path
 and the GPU kernels' oracle).
+
+Tiered residency (`MoetConfig.gpu_pool` other than "all"): the layers hold no expert parameters;
+every MoE layer's experts reach moet-store packs at load, and `apply_monolithic` reads them from
+the residency manager's pool of slots through its slot table (residency/manager.py), counting
+misses that the runner hook (compat point 7) fetches and replays.
 """
 
 from __future__ import annotations
