@@ -96,7 +96,9 @@ def test_sidecar_field_replaced(packdir, key, value):
 
 @HYP
 @given(
-    layer_key=st.one_of(st.text(max_size=8), st.sampled_from(["-1", "01", "2", "99999999", "1e3"])),
+    layer_key=st.one_of(
+        st.text(max_size=8), st.sampled_from(["-1", "01", "2", "99999999", "1e3", "²", "٣"])
+    ),
     value=json_any,
 )
 def test_sidecar_layer_entries(packdir, layer_key, value):

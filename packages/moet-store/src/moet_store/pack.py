@@ -195,7 +195,9 @@ def validate_sidecar(obj: object, spec: PackSpec) -> dict[int, list[int]]:
         raise InvalidJSON("layers is not an object")
     out: dict[int, list[int]] = {}
     for k, v in layers.items():
-        if not (isinstance(k, str) and k.isdigit() and len(k) <= 6 and str(int(k)) == k):
+        if not (
+            isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 6 and str(int(k)) == k
+        ):
             raise InvalidJSON(f"layer key {k[:20]!r} is not a layer index")
         layer = int(k)
         if layer >= spec.n_layers:

@@ -136,7 +136,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         text = str(value).strip()
         if text == "all" or (text.endswith("%") and _is_percent(text[:-1])):
             return text
-        if text.isdigit() and int(text) > 0:
+        if text.isascii() and text.isdigit() and int(text) > 0:
             return text
         raise bad('"all", a number of expert slots (> 0), or a percentage of the experts ("25%")')
     if name in ("pack_cache", "below_floor_ok"):

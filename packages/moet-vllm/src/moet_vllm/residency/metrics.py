@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -55,9 +56,8 @@ def name_run_dir(cache_root: Path) -> bool:
         return False
     runs = cache_root / "runs"
     os.environ[RUN_DIR_ENV] = str(runs / f"{os.getpid()}-{int(time.time())}")
-    for old in runs.glob("*-*") if runs.is_dir() else []:
-        pid = old.name.split("-")[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+    for old in _run_dirs(runs):
+        if not Path(f"/proc/{old.name.split('-')[0]}").exists():
             for f in old.iterdir():
                 f.unlink(missing_ok=True)
             old.rmdir()
@@ -91,13 +91,17 @@ class Publisher:
 TUNE_FILE = "tune.json"
 
 
+def _run_dirs(runs: Path) -> list[Path]:
+    """`<pid>-<start time>` directories under `runs`."""
+    if not runs.is_dir():
+        return []
+    return [d for d in runs.iterdir() if d.is_dir() and re.fullmatch(r"[0-9]+-[0-9]+", d.name)]
+
+
 def live_run_dirs(cache_root: Path) -> list[Path]:
     """Run directories of vLLM processes still alive, newest first."""
-    runs = cache_root / "runs"
     found = [
-        d
-        for d in (runs.glob("*-*") if runs.is_dir() else [])
-        if d.name.split("-")[0].isdigit() and Path(f"/proc/{d.name.split('-')[0]}").exists()
+        d for d in _run_dirs(cache_root / "runs") if Path(f"/proc/{d.name.split('-')[0]}").exists()
     ]
     return sorted(found, key=lambda d: int(d.name.split("-")[1]), reverse=True)
 
