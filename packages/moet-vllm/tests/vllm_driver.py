@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="more: seeded random ones")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -62,8 +63,12 @@ def main() -> None:
         ),
     )
     init = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+    )
+    t1 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts)], sp)
+    generate = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     spec_counters = {}
     if args.mtp:  # drafts and accepted draft tokens, from vLLM's own metrics
@@ -71,7 +76,15 @@ def main() -> None:
             if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
                 spec_counters[m.name] = m.value
     with open(args.out, "w") as f:
-        json.dump({"tokens": tokens, "init_seconds": init, "spec_decode": spec_counters}, f)
+        json.dump(
+            {
+                "tokens": tokens,
+                "init_seconds": init,
+                "generate_seconds": generate,
+                "spec_decode": spec_counters,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,141 @@
+"""Decode speed on vLLM CPU with tiered residency: a pool at 100% / 50% / 25% of the experts
+against every expert resident, in the same run.
+
+Run through nox: `nox -s "bench(residency_serving)"`. One generated Qwen3-MoE (bf16, seeded, cached
+under $XDG_CACHE_HOME/moet/bench; 4 MoE layers x 32 experts, top-4) is converted by `moet convert`
+and served by vLLM (CPU, float32) once per pool size, one sequence at a time (max_num_seqs 1, so
+the boot floor is 1.15 x 4 x 4 = 19 slots, below every pool here: 25% is 32). Each boot decodes the same
+prompts; reported: decode tokens/s (vLLM's generate wall time), its ratio to the resident run, the
+share of steps that replayed (from the KPI lines), and whether the greedy tokens equal the resident run's (they must: replays are bit-identical).
+Results: bench/results/residency_serving/cpu-<date>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from results_io import write_result  # noqa: E402  (bench/ is on sys.path)
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "bench"
+MODEL = CACHE / "qwen3-moe-residency"
+DRIVER = ROOT / "packages" / "moet-vllm" / "tests" / "vllm_driver.py"
+GEOMETRY = {  # small: the CPU path dequantizes every routed expert at every step (exact mode)
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 512,
+    "vocab_size": 2048,
+    "max_position_embeddings": 512,
+}
+PROMPTS, MAX_TOKENS = 2, 24
+POOLS = ("all", "100%", "50%", "25%")
+
+
+def build_model() -> Path:
+    moet = MODEL.with_name(MODEL.name + "-moet")
+    if (moet / "config.json").exists():
+        return moet
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moet_quant import convert
+
+    print(f"building {MODEL} and its moet conversion (once)...", flush=True)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEOMETRY, tie_word_embeddings=False))
+    model.save_pretrained(MODEL)
+    convert.convert(MODEL, moet, progress=False)
+    return moet
+
+
+def serve(model: Path, pool: str, cache_dir: Path, out_dir: Path) -> dict:
+    out = out_dir / f"{pool.replace('%', 'pct')}.json"
+    env = {
+        **os.environ,
+        "MOET_CACHE_DIR": str(cache_dir),
+        "MOET_GPU_POOL": pool,
+        "MOET_KPI_EVERY": "8",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+    cmd = [sys.executable, str(DRIVER), str(model), str(out), "--max-num-seqs", "1"]
+    cmd += ["--prompts", str(PROMPTS), "--max-tokens", str(MAX_TOKENS)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode:
+        sys.exit(f"pool {pool}: vLLM failed:\n{r.stderr[-3000:]}")
+    res = json.loads(out.read_text())
+    n_tokens = sum(len(t) for t in res["tokens"])
+    log = r.stdout + r.stderr
+    coverage = re.search(r"pool coverage ([\d.]+)%", log)
+    kpis = re.findall(r"moet KPI: (\d+) steps: replay ([\d.]+)% of steps, ([\d.]+) missing", log)
+    steps = sum(int(n) for n, _, _ in kpis)
+    replayed = sum(int(n) * float(p) / 100 for n, p, _ in kpis)
+    return {
+        "pool": pool,
+        "tokens": res["tokens"],
+        "generate_s": round(res["generate_seconds"], 2),
+        "decode_tokens_per_s": round(n_tokens / res["generate_seconds"], 2),
+        "pool_coverage_pct": float(coverage.group(1)) if coverage else 100.0,
+        "kpi_steps": steps,
+        "replayed_steps_pct": round(100 * replayed / steps, 1) if steps else 0.0,
+    }
+
+
+def main() -> int:
+    model = build_model()
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="moet-residency-bench-") as tmp:
+        tmp = Path(tmp)
+        for pool in POOLS:  # one pack cache: the first tiered boot writes the packs
+            t0 = time.perf_counter()
+            run = serve(model, pool, tmp / "packs", tmp)
+            print(
+                f"pool {pool:>5}: {run['decode_tokens_per_s']:.2f} tok/s "
+                f"({time.perf_counter() - t0:.0f} s boot + run)",
+                flush=True,
+            )
+            runs.append(run)
+    base = runs[0]
+    for run in runs:
+        run["ratio_to_resident"] = round(
+            run["decode_tokens_per_s"] / base["decode_tokens_per_s"], 3
+        )
+        run["tokens_equal_resident"] = run["tokens"] == base["tokens"]
+    result = {
+        "bench": "residency_serving",
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ).stdout.strip(),
+        "command": 'nox -s "bench(residency_serving)"',
+        "model": {"path": str(MODEL.name), **GEOMETRY},
+        "prompts": PROMPTS,
+        "max_tokens": MAX_TOKENS,
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
+    }
+    write_result("residency_serving", result)
+    bad = [r["pool"] for r in runs if not r["tokens_equal_resident"]]
+    if bad:
+        print(f"FAIL: tokens differ from the resident run for pools {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
