@@ -164,3 +164,22 @@ def bench(session: nox.Session, what: str) -> None:
 
 
 os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+
+
+@nox.session(python=False)
+def fixture(session: nox.Session) -> None:
+    """The trained fixture model (bench/fixture/, ~20 min on 2 cores): rebuild the corpus and the
+    tokenizer from this machine's files, re-evaluate the committed model (perplexities, unigram
+    baselines, test-split routing trace and coverage), check that vLLM CPU serves it like
+    transformers, rewrite its model card. Training runs on the H200: bench/fixture/h200_train.py.
+    """
+    for script in ("corpus", "tokenizer", "evaluate", "check_vllm", "card"):
+        session.run("python", f"bench/fixture/{script}.py")
+
+
+@nox.session(python=False)
+def quality(session: nox.Session) -> None:
+    """The quality harness on the fixture (moet_quant.quality): bf16 vs the W2 variants on the
+    test split -> bench/fixture/results/quality.json and docs/quality.md. Needs the tokenized
+    splits of `nox -s fixture` (bench/out/fixture/corpus/)."""
+    session.run("python", "bench/fixture/quality.py", *session.posargs)
