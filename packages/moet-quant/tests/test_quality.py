@@ -141,3 +141,24 @@ def test_cli_eval(tiny_glm, tmp_path, capsys):
     bad = tmp_path / "bad.npy"
     np.save(bad, np.zeros((2, 2)))
     assert cli.main(["eval", str(tiny_glm), "--tokens", str(bad)]) == 2
+
+
+def test_nvfp4_variant_from_a_real_modelopt_export(tiny_glm, tmp_path, monkeypatch):
+    pytest.importorskip("modelopt.torch.quantization")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    opts = quality.EvalOptions(
+        variants=("bf16", "w2-reference", "nvfp4"),
+        window=64,
+        n_boot=50,
+        n_prompts=1,
+        prompt_len=8,
+        gen_tokens=4,
+    )
+    rep = quality.evaluate(tiny_glm, _tokens(200, seed=3), opts)
+    assert rep["modelopt_exports"]["nvfp4"]["expert_format"] == "nvfp4"
+    fp4, two = rep["variants"]["nvfp4"], rep["variants"]["w2-reference"]
+    # 4-bit e2m1 with e4m3 scales per 16: well under W2's error, far from exact
+    assert 0.03 < fp4["tensors"]["rel_rms_mean"] < 0.5 * two["tensors"]["rel_rms_mean"]
+    assert 0 < fp4["kl_mean"] < two["kl_mean"]
+    assert fp4["top1_agreement"] > two["top1_agreement"]
+    assert list((tmp_path / "cache" / "moet").iterdir()) == []  # the export is cleaned up

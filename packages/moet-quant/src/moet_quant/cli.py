@@ -193,8 +193,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--variant",
         action="append",
-        choices=["bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt"],
-        help="(repeatable; default all; bf16 always runs first)",
+        choices=["bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt", "fp8", "nvfp4"],
+        help="(repeatable; default: bf16 and the four W2 variants; bf16 always runs first; "
+        "fp8/nvfp4 quantize the checkpoint with nvidia-modelopt)",
     )
     p.add_argument("--window", type=int, default=1024, help="tokens per window (context)")
     p.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")

@@ -13,7 +13,12 @@ checkpoint's exact values) to its dequantized float64 replacement:
 * ``w2-optimal``      the error-optimal exponent mode (e-1, e, e+1 searched per block);
 * ``w2-nobalance``    the reference quantizer without zero balancing (zero mode ``sign``);
 * ``w2-l2opt``        the ablation: the tensor's L2-optimal asymmetric 4-level codebook
-                      (moet_quant.study), with the reference block exponents.
+                      (moet_quant.study), with the reference block exponents;
+* ``fp8``, ``nvfp4``  (opt-in) the experts of a real nvidia-modelopt export of the checkpoint
+                      (``FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG``, ``NVFP4_EXPERTS_ONLY_CFG``, calibrated
+                      on the first 8 x 256 tokens), read back exactly by moet's own checkpoint
+                      readers; the export lives in a temporary directory under the moet cache
+                      directory. Only the routed experts change, as for every variant.
 
 Measured on windows of a token file (uint16/int .npy, every window's tokens predicting the next):
 
@@ -37,6 +42,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +55,9 @@ from . import study, w2
 from .errors import MoetError
 
 DEFAULT_VARIANTS = ("bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt")
+# variants whose experts come from a nvidia-modelopt export (config name in modelopt.torch.quantization)
+MODELOPT_CONFIGS = {"fp8": "FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG", "nvfp4": "NVFP4_EXPERTS_ONLY_CFG"}
+CALIB_WINDOWS, CALIB_LEN = 8, 256
 LOOP_TAIL, LOOP_PERIOD = 32, 8
 
 
@@ -87,6 +98,7 @@ class EvalOptions:
     n_prompts: int = 8
     prompt_len: int = 16
     gen_tokens: int = 48
+    exports: dict = field(default_factory=dict)  # fp8/nvfp4 -> an existing export of the model
     extra: dict = field(default_factory=dict)
 
 
@@ -136,24 +148,33 @@ def _tensor_stats(w: np.ndarray, q: np.ndarray) -> tuple[float, float]:
     return math.sqrt(float(np.mean(err * err))) / rms, float(np.mean(err)) / rms
 
 
-def quantized_copy(model, variant: str) -> tuple[object, list[dict]]:
+def quantized_copy(model, variant: str, source=None) -> tuple[object, list[dict]]:
     """A copy of `model` whose routed experts hold `variant`'s dequantized weights, and the
-    per-tensor rel-RMS / bias of that variant."""
+    per-tensor rel-RMS / bias of that variant. `source(layer, expert, proj, w)` gives the
+    replacement of one projection (default: the per-tensor function VARIANTS[variant])."""
     import torch
 
-    fn = VARIANTS[variant]
+    if source is None:
+        fn = VARIANTS[variant]
+
+        def source(_layer, _e, _proj, w):
+            return fn(w)
+
     out = copy.deepcopy(model)
     stats = []
     for name, m in expert_modules(out):
+        layer = _layer_of(name)
         gu = m.gate_up_proj.detach().double().numpy().copy()
         down = m.down_proj.detach().double().numpy().copy()
         inter = gu.shape[1] // 2
         for proj, w in projections(m):
-            q = fn(w)
-            rel, bias = _tensor_stats(w, q)
-            stats.append({"tensor": f"{name}.{proj}", "rel_rms": rel, "bias": bias})
             e, kind = proj.split(".")
             e = int(e)
+            q = np.asarray(source(layer, e, kind.removesuffix("_proj"), w), dtype=np.float64)
+            if q.shape != w.shape:
+                raise MoetError(f"{name}.{proj}: {variant} gives {q.shape}, expected {w.shape}")
+            rel, bias = _tensor_stats(w, q)
+            stats.append({"tensor": f"{name}.{proj}", "rel_rms": rel, "bias": bias})
             if kind == "gate_proj":
                 gu[e, :inter] = q
             elif kind == "up_proj":
@@ -164,6 +185,74 @@ def quantized_copy(model, variant: str) -> tuple[object, list[dict]]:
             m.gate_up_proj.copy_(torch.from_numpy(gu))
             m.down_proj.copy_(torch.from_numpy(down))
     return out, stats
+
+
+def _layer_of(module_name: str) -> int:
+    m = re.search(r"layers\.(\d+)\.", module_name + ".")
+    if not m:
+        raise MoetError(f"{module_name}: cannot tell the layer index of this expert module")
+    return int(m.group(1))
+
+
+# --- modelopt variants: experts from a real modelopt export, read back exactly -------------------
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/moet``, else ``~/.cache/moet`` (where the harness keeps its exports)."""
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "moet"
+
+
+def modelopt_export(model_dir: str | Path, variant: str, calib: np.ndarray, out_dir: Path) -> Path:
+    """Quantize the bf16 checkpoint with nvidia-modelopt (`MODELOPT_CONFIGS[variant]`; the
+    calibration forward runs over `calib` [batch, seq] token ids) and write its Hugging Face
+    export (`export_hf_checkpoint`) to out_dir."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import modelopt.torch.quantization as mtq
+        from modelopt.torch.export import export_hf_checkpoint
+    except ImportError:
+        raise MoetError(
+            f"variant {variant} needs nvidia-modelopt (pip install nvidia-modelopt)"
+        ) from None
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"modelopt\..*")
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    batches = torch.from_numpy(np.asarray(calib, dtype=np.int64))
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for ids in batches.split(4):
+                m(input_ids=ids)
+
+    mtq.quantize(model, getattr(mtq, MODELOPT_CONFIGS[variant]), forward_loop)
+    with torch.no_grad():
+        export_hf_checkpoint(model, export_dir=str(out_dir))
+    return out_dir
+
+
+def checkpoint_source(path: str | Path):
+    """A `quantized_copy` source reading every routed expert projection of a checkpoint through
+    moet's own exact readers (float64), e.g. a modelopt export."""
+    from .checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    by_key = {(s.key.layer, s.key.expert, s.key.proj): s for s in ckpt.sources}
+    fmt = ckpt.info.source_format
+
+    def source(layer, e, proj, w):
+        try:
+            return by_key[(layer, e, proj)].dequant()
+        except KeyError:
+            raise MoetError(
+                f"{path}: no expert projection layer {layer} expert {e} {proj}"
+            ) from None
+
+    source.source_format = fmt
+    return source
 
 
 # --- metrics -------------------------------------------------------------------------------------
@@ -218,7 +307,7 @@ def evaluate(model_dir: str | Path, tokens: np.ndarray, opts: EvalOptions | None
     from transformers import AutoModelForCausalLM
 
     opts = opts or EvalOptions()
-    unknown = [v for v in opts.variants if v not in VARIANTS]
+    unknown = [v for v in opts.variants if v not in VARIANTS and v not in MODELOPT_CONFIGS]
     if unknown or opts.variants[:1] != ("bf16",):
         raise MoetError(f"variants must start with bf16 and be among {list(VARIANTS)}: {unknown}")
     t0 = time.time()
@@ -226,9 +315,25 @@ def evaluate(model_dir: str | Path, tokens: np.ndarray, opts: EvalOptions | None
     if opts.max_tokens:
         tokens = tokens[: opts.max_tokens + 1]
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    models, tensor_stats = {}, {}
+    models, tensor_stats, formats_seen = {}, {}, {}
+    calib_len = min(CALIB_LEN, tokens.size)
+    calib = tokens[: CALIB_WINDOWS * calib_len]
+    calib = calib[: (calib.size // calib_len) * calib_len].reshape(-1, calib_len)
     for v in opts.variants:
-        models[v], tensor_stats[v] = (ref, []) if v == "bf16" else quantized_copy(ref, v)
+        if v == "bf16":
+            models[v], tensor_stats[v] = ref, []
+        elif v in MODELOPT_CONFIGS and v in opts.exports:
+            src = checkpoint_source(opts.exports[v])
+            models[v], tensor_stats[v] = quantized_copy(ref, v, src)
+            formats_seen[v] = src.source_format
+        elif v in MODELOPT_CONFIGS:
+            cache_dir().mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(prefix=f"eval-{v}-", dir=cache_dir()) as tmp:
+                src = checkpoint_source(modelopt_export(model_dir, v, calib, Path(tmp)))
+                models[v], tensor_stats[v] = quantized_copy(ref, v, src)
+            formats_seen[v] = src.source_format
+        else:
+            models[v], tensor_stats[v] = quantized_copy(ref, v)
         models[v].eval()
 
     wins = windows_of(tokens.size, opts.window)
@@ -271,6 +376,9 @@ def evaluate(model_dir: str | Path, tokens: np.ndarray, opts: EvalOptions | None
         "n_boot": opts.n_boot,
         "seed": opts.seed,
         "gen_tokens": opts.gen_tokens,
+        "modelopt_exports": {
+            v: {"config": MODELOPT_CONFIGS[v], "expert_format": f} for v, f in formats_seen.items()
+        },
         **opts.extra,
         "variants": {},
     }
