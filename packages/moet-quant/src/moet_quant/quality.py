@@ -27,7 +27,8 @@ Measured on windows of a token file (uint16/int .npy, every window's tokens pred
 * significance of the mean next-token loss difference against ``bf16`` and against
   ``w2-reference``: a paired bootstrap over windows (seeded; 95% interval; "significant" when it
   excludes 0);
-* greedy generation from fixed prompts (the first ``prompt_len`` tokens of the first windows): the
+* greedy generation from fixed prompts (the first ``prompt_len`` tokens of the first windows;
+  ``gen_tokens`` tokens each, EOS suppressed by transformers' ``min_new_tokens``): the
   longest prefix equal to bf16's and a loop detector (the last 32 tokens repeat with a period of at
   most 8 tokens);
 * per-tensor rel-RMS and signed bias (study.py's definitions: sqrt(mean((ŵ-w)²))/rms(w) and
