@@ -22,6 +22,7 @@ not in it: read the JSON files instead.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import time
@@ -51,8 +52,10 @@ def run_dir() -> Path | None:
 def name_run_dir(cache_root: Path) -> bool:
     """In the first vLLM process: name the directory its workers will report to (created by the
     first report) and remove those of runs whose process is gone; -> whether this process is the
-    first (it then serves the metrics)."""
-    if RUN_DIR_ENV in os.environ:
+    first (it then serves the metrics). vLLM's own processes (multiprocessing children) inherit
+    the name; any other process names its own run, even if its environment came with one (a
+    server started from a process that had loaded vLLM itself)."""
+    if RUN_DIR_ENV in os.environ and multiprocessing.parent_process() is not None:
         return False
     runs = cache_root / "runs"
     os.environ[RUN_DIR_ENV] = str(runs / f"{os.getpid()}-{int(time.time())}")
