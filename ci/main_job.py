@@ -1,16 +1,18 @@
 """The main job (README): a MoE served by vLLM with moet's 2-bit experts, asked through the
 OpenAI API.
 
-1. builds the default model: a seeded, untrained GLM-4.5-family MoE (shared expert, sigmoid
-   routing, an MTP layer) with a real tokenizer and GLM's chat format (the project's tiny test
-   model, until the trained fixture model replaces it), as a Hugging Face checkpoint;
+1. the default model: the project's trained fixture, a small GLM-4.5-family MoE (bench/fixture/
+   glm-moe-fixture: 3 MoE layers x 64 experts, top-4, shared expert, sigmoid routing; trained on
+   Python sources and man pages, with GLM's chat format);
 2. `moet inspect` reports it; `moet convert` writes the moet checkpoint (2-bit experts; resumable,
    a finished conversion is kept);
-3. starts vLLM's OpenAI server on it with the moet plugin (no flag: the checkpoint says "moet")
-   and GLM's tool-call and reasoning parsers (glm45), sends a chat, a completion and a tool-call
-   request (named tool_choice; the tool result is sent back) with the `openai` client and prints
-   the answers (an untrained model's text is noise; the tool call is constrained by vLLM);
-4. prints the expert-tier summary and shuts the server down.
+3. starts vLLM's OpenAI server on it with `moet serve` (no moet flag: the checkpoint says
+   "moet"), tiered expert residency on (a device pool of half the experts, fetched from the pack
+   files on demand) and GLM's tool-call and reasoning parsers (glm45), sends a chat, a completion
+   and a tool-call request (named tool_choice; the tool result is sent back) with the `openai`
+   client and prints the answers;
+4. prints the expert-tier summary (pool, KPI lines, the moet_* metrics of /metrics) and shuts the
+   server down.
 Everything lives under $XDG_CACHE_HOME/moet/main-job (default ~/.cache/moet/main-job).
 """
 
@@ -22,13 +24,15 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "main-job"
-MODEL = CACHE / "glm4-moe-tiny"
-OUT = CACHE / "glm4-moe-tiny-moet"
-NAME = "moet-glm4-moe-tiny"
+MODEL = ROOT / "bench" / "fixture" / "glm-moe-fixture"
+OUT = CACHE / "glm-moe-fixture-moet"
+NAME = "moet-glm-moe-fixture"
+POOL = "50%"  # tiered residency: the device pool holds half of the (MoE layer, expert) pairs
 # GLM-4.5/4.6/4.7: tool calls as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...,
 # reasoning in <think>...</think> (docs/vllm.md)
 PARSER_FLAGS = [
@@ -75,6 +79,8 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "MOET_CACHE_DIR": str(CACHE / "packs"),
+        "MOET_GPU_POOL": POOL,
+        "MOET_KPI_EVERY": "8",
     }
     cmd = [
         sys.executable,
@@ -102,7 +108,6 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
 
 
 def wait_ready(proc: subprocess.Popen, port: int, log_path: Path, timeout: float = 600) -> None:
-    import urllib.request
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -196,7 +201,7 @@ def tool_call(client) -> None:
     print(f"   reply: {reply.choices[0].message.content!r}")
 
 
-def tier_summary(log_path: Path) -> None:
+def tier_summary(log_path: Path, port: int) -> None:
     from moet_quant.checkpoint import open_checkpoint
 
     step("expert tiers")
@@ -210,19 +215,22 @@ def tier_summary(log_path: Path) -> None:
         f"   W2 expert bytes {w2 / 1e6:.1f} MB (source {info.bytes['source_experts'] / 1e6:.1f}"
         f" MB: {info.bytes['source_experts'] / w2:.1f}x smaller)"
     )
-    print("   residency: 100% of experts resident (tiered residency is not in this version)")
-    for ln in log_path.read_text().splitlines():
+    lines = log_path.read_text().splitlines()
+    kpi = [ln.split("moet KPI:", 1)[1].strip() for ln in lines if "moet KPI:" in ln]
+    for ln in lines:
         if "moet:" in ln:
-            print(f"   server: {ln.split('moet:', 1)[1].strip()[:140]}")
+            print(f"   server: {ln.split('moet:', 1)[1].strip()[:150]}")
+    for ln in kpi[-3:]:  # the residency KPI, every 8 steps: the last ones
+        print(f"   KPI: {ln[:150]}")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        metrics = [ln for ln in r.read().decode().splitlines() if ln.startswith("moet_")]
+    print("   /metrics: " + ", ".join(m.replace('{rank="0"}', "") for m in metrics[:6]))
 
 
 def main() -> int:
     CACHE.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT / "packages" / "moet-vllm" / "tests"))
-    from tiny_models import write_tiny_model  # the default model until the trained fixture
-
     step(f"model: {MODEL}")
-    write_tiny_model("glm4_moe", MODEL)
     moet("inspect", str(MODEL))
     moet("convert", str(MODEL), str(OUT))
     port = free_port()
@@ -231,7 +239,7 @@ def main() -> int:
     try:
         wait_ready(proc, port, log_path)
         ask(port)
-        tier_summary(log_path)
+        tier_summary(log_path, port)
     finally:
         step("shutting the server down")
         os.killpg(proc.pid, signal.SIGINT)
