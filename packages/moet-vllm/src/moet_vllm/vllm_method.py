@@ -53,7 +53,7 @@ from . import compat
 from .compat import MoetVllmError
 from .config import MoetConfig, pool_slots, resolve
 from .dense import DenseDequantizer, dense_method
-from .experts import ExpertSource
+from .experts import ExpertSource, OfficialSource
 from .packcache import ExpertPackCache
 from .residency import manager as residency
 from .residency.manager import MoetResidencyError, ResidencyManager
@@ -129,10 +129,10 @@ class MoetLoadSession:
         self.pending.discard(model_layer)
         if not self.pending:
             log.info(
-                "moet: expert weights ready in %.2f s: %d layers re-quantized, %d from the "
-                "pack cache",
+                "moet: expert weights ready in %.2f s: %d layers %s, %d from the pack cache",
                 self.seconds,
                 self.quantized,
+                "re-quantized" if self.source.kind == OfficialSource.kind else "read as W2",
                 self.from_pack,
             )
         return secs if keep else None
