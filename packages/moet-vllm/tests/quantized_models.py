@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moet_quant import synth
 from moet_quant.safetensors_io import OutTensor, ShardedSafetensors, write_safetensors
 from moet_quant.synth import projection_tensors
 
@@ -32,43 +33,17 @@ EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def quantization_config(fmt: str, experts_only: bool) -> dict:
-    if fmt == "fp8-block":
-        qc = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        }
-        if experts_only:
-            qc["modules_to_not_convert"] = ["self_attn", "shared_expert"]
-        return qc
+    """moet-quant's config for `fmt`, plus which dense modules stay unquantized."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
+    qc = synth.quantization_config(fmt)
+    if fmt == "fp8-block" and experts_only:
+        qc["modules_to_not_convert"] = ["self_attn", "shared_expert"]
     if fmt == "int4-pack":
-        ignore = ["lm_head", "re:.*mlp.gate$"]
+        qc["ignore"] = ["lm_head", "re:.*mlp.gate$"]
         if experts_only:
-            ignore += ["re:.*self_attn.*", "re:.*shared_expert.*"]
-        return {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "quantization_status": "compressed",
-            "ignore": ignore,
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "int",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": 32,
-                        "dynamic": False,
-                        "actorder": None,
-                    },
-                    "input_activations": None,
-                    "output_activations": None,
-                }
-            },
-        }
-    raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
+            qc["ignore"] += ["re:.*self_attn.*", "re:.*shared_expert.*"]
+    return qc
 
 
 def _float64(raw: np.ndarray, dtype: str) -> np.ndarray:

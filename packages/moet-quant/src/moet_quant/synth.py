@@ -154,6 +154,47 @@ def projection_tensors(prefix: str, w: np.ndarray, fmt: str) -> list[tuple[str, 
     raise ValueError(f"format {fmt!r} has no per-expert layout here")
 
 
+def quantization_config(fmt: str) -> dict | None:
+    """The `quantization_config` a checkpoint in source format `fmt` carries (None: unquantized)."""
+    if fmt == "fp8-block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    if fmt == "int4-pack":
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                        "dynamic": False,
+                        "actorder": None,
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+        }
+    if fmt in ("nvfp4", "fp8-pb-wo"):
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4" if fmt == "nvfp4" else "FP8_PB_WO",
+        }
+    if fmt == "mxfp4":
+        return {"quant_method": "mxfp4"}
+    return None
+
+
 def write_checkpoint(
     out: str | Path,
     family: str = "qwen3-moe",
@@ -282,37 +323,9 @@ def write_checkpoint(
         "vocab_size": 128,
         "torch_dtype": "bfloat16",
     }
-    if fmt == "fp8-block":
-        config["quantization_config"] = {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128],
-        }
-    elif fmt == "int4-pack":
-        config["quantization_config"] = {
-            "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
-            "config_groups": {
-                "group_0": {
-                    "targets": ["Linear"],
-                    "weights": {
-                        "num_bits": 4,
-                        "type": "int",
-                        "symmetric": True,
-                        "strategy": "group",
-                        "group_size": 32,
-                    },
-                }
-            },
-        }
-    elif fmt in ("nvfp4", "fp8-pb-wo"):
-        config["quantization_config"] = {
-            "quant_method": "modelopt",
-            "quant_algo": "NVFP4" if fmt == "nvfp4" else "FP8_PB_WO",
-        }
-    elif fmt == "mxfp4":
-        config["quantization_config"] = {"quant_method": "mxfp4"}
+    qc = quantization_config(fmt)
+    if qc is not None:
+        config["quantization_config"] = qc
     (out / "config.json").write_text(json.dumps(config, indent=1))
     (out / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
     return out
