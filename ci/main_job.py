@@ -33,29 +33,6 @@ MODEL = ROOT / "bench" / "fixture" / "glm-moe-fixture"
 OUT = CACHE / "glm-moe-fixture-moet"
 NAME = "moet-glm-moe-fixture"
 POOL = "50%"  # tiered residency: the device pool holds half of the (MoE layer, expert) pairs
-# GLM-4.5/4.6/4.7: tool calls as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...,
-# reasoning in <think>...</think> (docs/vllm.md)
-PARSER_FLAGS = [
-    "--enable-auto-tool-choice",
-    "--tool-call-parser",
-    "glm45",
-    "--reasoning-parser",
-    "glm45",
-]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        "strict": True,  # the arguments follow the schema, not only the call's markup
-    },
-}
 
 
 def step(title: str) -> None:
@@ -74,6 +51,8 @@ def free_port() -> int:
 
 
 def start_server(port: int, log_path: Path) -> subprocess.Popen:
+    from tiny_models import GLM_PARSER_FLAGS  # tests/ is on sys.path (main)
+
     env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -99,7 +78,7 @@ def start_server(port: int, log_path: Path) -> subprocess.Popen:
         "127.0.0.1",
         "--port",
         str(port),
-        *PARSER_FLAGS,
+        *GLM_PARSER_FLAGS,
     ]
     step(f"vLLM OpenAI server on 127.0.0.1:{port} (log: {log_path})")
     return subprocess.Popen(
@@ -161,7 +140,7 @@ def ask(port: int) -> None:
 
 
 def tool_call(client) -> None:
-    from tiny_models import whitespace_token_ids
+    from tiny_models import WEATHER_TOOL, whitespace_token_ids
 
     step("tool call (named tool_choice)")
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -169,7 +148,7 @@ def tool_call(client) -> None:
     first = client.chat.completions.create(
         model=NAME,
         messages=messages,
-        tools=[WEATHER],
+        tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=96,
         temperature=0,
@@ -193,7 +172,7 @@ def tool_call(client) -> None:
     reply = client.chat.completions.create(
         model=NAME,
         messages=messages,
-        tools=[WEATHER],
+        tools=[WEATHER_TOOL],
         max_tokens=16,
         temperature=0,
         extra_body=no_thinking,

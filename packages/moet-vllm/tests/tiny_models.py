@@ -496,6 +496,34 @@ def write_tokenizer(
     )
 
 
+# Serving a GLM-4.5-family model with vLLM's tool and reasoning parsers (docs/vllm.md): tool calls
+# as <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>..., reasoning in <think>...</think>
+GLM_PARSER_FLAGS = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "glm45",
+    "--reasoning-parser",
+    "glm45",
+)
+WEATHER_CITIES = ["Paris", "Tokyo"]
+WEATHER_TOOL = {  # the tool of the tool-call round trips (tests, main job)
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": WEATHER_CITIES}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        # strict: the arguments are constrained by the schema (required key, enum value), not
+        # only the call's markup (vLLM's default for glm45 pins keys but lets a required one out)
+        "strict": True,
+    },
+}
+
+
 def whitespace_token_ids(model_dir: str | os.PathLike) -> list[int]:
     """Ids of the tokens of `model_dir`'s tokenizer whose text holds whitespace. A client bans
     them (logit_bias -100) so that a random model cannot pad a grammar's unbounded optional
