@@ -1,23 +1,39 @@
-"""The weight layout the ops of this version read, named for the ABI string (design.md, Identity).
+"""Expert row layouts, named for the ABI string (design.md, Identity).
+
+Two layouts of an expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
+
+- `RowLayout` (`LAYOUT_ID`, the CPU serving path today): the *logical* layout of moet checkpoints
+  as is: codes uint8 [N, K/4], 4 two-bit codes per byte, little-endian 2-bit fields along K;
+  scales uint8 [N, K/32], one UE8M0 byte per block of 32 along K.
+- `NativeRowLayout` (`NATIVE_LAYOUT_ID`): what the GPU kernels (csrc/w2_moe.cu) stream. Rows come
+  in groups of 64 (w13: 32 gate rows then the same 32 up rows, so one work item sees both halves
+  of SiLU(gate) * up), K in chunks of 128 (padded with zero activations). Per (group, chunk):
+  codes are 4 row tiles x 32 lanes x 16 bytes, lane L = 4g + t holding, for each of the chunk's 4
+  k-tiles, one 32-bit word with the 16 codes of its int8 mma.sync m16n8k32 A fragment (code of
+  register j, byte i at bit 16*(j//2) + 4i + 2*(j%2): rows g, g+8 and k = 4t + i, + 16); scales are
+  4 row tiles x 8 lane groups x [row g: 4 k-tiles, row g+8: 4 k-tiles]. Padding codes are 0 and
+  padding scales 127 (1.0), so padded weights are finite and meet zero activations.
 
 `LAYOUT_ID` enters moet-vllm's ABI string (`<format>+<layout>+<row sections>`), which keys every
-persistent cache (pack files). This version has no GPU kernels, so its ops read the *logical* layout
-of moet checkpoints as is (a passthrough):
-
-- `w2_codes` uint8 [N, K/4]: 4 two-bit codes per byte, little-endian 2-bit fields along K;
-- `w2_scales` uint8 [N, K/32]: one UE8M0 byte per block of 32 along K.
-
-The kernel-native plane layout (fragment-major codes for the sm_90 streaming loop) comes with the
-kernels issue, under a new id. Bump the id whenever the byte layout an op reads changes.
+persistent cache (pack files). Bump an id whenever the byte layout it names changes.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 LAYOUT_ID = "logical-v0"
+NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v1"
 
-__all__ = ["LAYOUT_ID", "RowLayout", "SECTIONS", "SECTION_ALIGN"]
+__all__ = [
+    "LAYOUT_ID",
+    "NATIVE_LAYOUT_ID",
+    "NativeRowLayout",
+    "RowLayout",
+    "SECTIONS",
+    "SECTION_ALIGN",
+]
 
 
 # --- expert rows: one expert of one rank, as pack files and GPU slots hold it (design.md) -------
@@ -92,3 +108,154 @@ class RowLayout:
             name: row[offset : offset + shape[0] * shape[1]].reshape(shape)
             for name, (offset, shape) in self.sections.items()
         }
+
+
+# --- the kernel-native layout ---------------------------------------------------------------------
+
+GROUP_ROWS = 64  # rows per work item: 4 mma row tiles of 16
+CHUNK_K = 128  # K per 16-byte load of a lane: 4 k-tiles of 32
+PAD_SCALE = 127  # UE8M0 1.0: padded weights stay finite
+
+
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/4] -> codes 0..3 [..., K] (k = 4 * byte + field)."""
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)
+    return ((codes.unsqueeze(-1) >> shifts) & 3).flatten(-2)
+
+
+def _repack_codes(fields: torch.Tensor) -> torch.Tensor:
+    """codes 0..3 [..., K] -> uint8 [..., K/4]."""
+    f = fields.unflatten(-1, (-1, 4)).to(torch.uint8)
+    return f[..., 0] | f[..., 1] << 2 | f[..., 2] << 4 | f[..., 3] << 6
+
+
+def native_matrix(codes: torch.Tensor, scales: torch.Tensor, rows_p: int, k_p: int):
+    """Logical codes uint8 [E, N, K/4] and scales [E, N, K/32] (N <= rows_p, K <= k_p, rows_p a
+    multiple of 64 and k_p of 128) -> native (codes [E, rows_p*k_p/4], scales [E, rows_p*k_p/32])."""
+    e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 4
+    if bool((scales == 255).any()):
+        raise ValueError("a UE8M0 scale of 255 (NaN) cannot be packed for the kernels")
+    dev = codes.device
+    c = torch.zeros(e, rows_p, k_p, dtype=torch.uint8, device=dev)
+    c[:, :n, :k] = _unpack_codes(codes)
+    s = torch.full((e, rows_p, k_p // 32), PAD_SCALE, dtype=torch.uint8, device=dev)
+    s[:, :n, : k // 32] = scales
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    # rows: rg, rt, jl, g (row = 16 rt + 8 jl + g); k: cc, tt, jh, tig, ih, il (k = 32 tt + 16 jh
+    # + 4 tig + 2 ih + il); register j = 2 jh + jl, byte i = 2 ih + il sits at bit 16 jh + 4 i + 2 jl
+    c = c.view(e, rg, 4, 2, 8, cc, 4, 2, 4, 2, 2)
+    byte = (
+        c[:, :, :, 0, ..., 0]
+        | c[:, :, :, 1, ..., 0] << 2
+        | c[:, :, :, 0, ..., 1] << 4
+        | c[:, :, :, 1, ..., 1] << 6
+    )
+    # byte dims: e, rg, rt, g, cc, tt, jh, tig, ih -> e, rg, cc, rt, g, tig, tt, jh, ih
+    native_c = byte.permute(0, 1, 4, 2, 3, 7, 5, 6, 8).reshape(e, -1)
+    s = s.view(e, rg, 4, 2, 8, cc, 4)  # e, rg, rt, jl, g, cc, tt -> e, rg, cc, rt, g, jl, tt
+    native_s = s.permute(0, 1, 5, 2, 4, 3, 6).reshape(e, -1)
+    return native_c, native_s
+
+
+def logical_matrix(
+    native_c: torch.Tensor, native_s: torch.Tensor, n: int, k: int, rows_p: int, k_p: int
+):
+    """The inverse of `native_matrix`: -> logical (codes [E, n, k/4], scales [E, n, k/32])."""
+    e = native_c.shape[0]
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    byte = native_c.reshape(e, rg, cc, 4, 8, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 6, 7, 5, 8)
+    fields = torch.stack(
+        [
+            torch.stack([(byte >> (4 * il + 2 * jl)) & 3 for il in range(2)], dim=-1)
+            for jl in range(2)
+        ],
+        dim=3,
+    )  # e, rg, rt, jl, g, cc, tt, jh, tig, ih, il
+    c = fields.reshape(e, rows_p, k_p)[:, :n, :k]
+    s = native_s.reshape(e, rg, cc, 4, 8, 2, 4).permute(0, 1, 3, 5, 4, 2, 6)
+    s = s.reshape(e, rows_p, k_p // 32)[:, :n, : k // 32]
+    return _repack_codes(c), s.contiguous()
+
+
+class NativeRowLayout:
+    """Expert rows in the kernel-native layout (module docstring); the same interface as
+    `RowLayout`: `pack` takes the logical sections [E, ...] and `views` returns them, unpacked,
+    from one native row (a copy, not a view)."""
+
+    def __init__(self, hidden: int, inter: int):
+        RowLayout(hidden, inter)  # the same size checks
+        self.hidden, self.inter = hidden, inter
+        self.hidden_p, self.inter_p = _ceil(hidden, CHUNK_K), _ceil(inter, CHUNK_K)
+        self.w13_rows = 2 * inter  # 32-row units of gate and up: a multiple of 64
+        self.w2_rows = _ceil(hidden, GROUP_ROWS)
+        sizes = {
+            "w13_codes": self.w13_rows * self.hidden_p // 4,
+            "w13_scales": self.w13_rows * self.hidden_p // 32,
+            "w2_codes": self.w2_rows * self.inter_p // 4,
+            "w2_scales": self.w2_rows * self.inter_p // 32,
+        }
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name in SECTIONS:
+            self.offsets[name] = offset
+            offset += _ceil(sizes[name], SECTION_ALIGN)
+        self.sizes = sizes
+        self.row_bytes = offset
+        u = torch.arange(inter // 32).view(-1, 1)
+        q = torch.arange(GROUP_ROWS).view(1, -1)
+        # native w13 row 64u + q: gate row 32u + q for q < 32, else up row inter + 32u + q - 32
+        self._w13_rows = torch.where(q < 32, 32 * u + q, inter + 32 * u + q - 32).flatten()
+
+    @property
+    def spec(self) -> str:
+        """The row-section part of the ABI string."""
+        parts = [f"{n}@{self.offsets[n]}:{self.sizes[n]}" for n in SECTIONS]
+        return f"{NATIVE_LAYOUT_ID}-a{SECTION_ALIGN}[{','.join(parts)}]"
+
+    def pack(self, **arrays) -> np.ndarray:
+        """Four logical uint8 arrays [E, *shape] (names as SECTIONS) -> rows uint8 [E, row_bytes]:
+        numpy in, numpy out; torch tensors in, a tensor out on their device (pack on the GPU)."""
+        logical = RowLayout(self.hidden, self.inter)
+        t = {}
+        n_experts = next(iter(arrays.values())).shape[0]
+        as_numpy = not all(isinstance(a, torch.Tensor) for a in arrays.values())
+        for name, (_, shape) in logical.sections.items():
+            a = torch.as_tensor(arrays[name])
+            if a.dtype != torch.uint8 or tuple(a.shape) != (n_experts, *shape):
+                raise ValueError(
+                    f"{name}: expected uint8 {[n_experts, *shape]}, found {a.dtype} {list(a.shape)}"
+                )
+            t[name] = a
+        perm = self._w13_rows.to(t["w13_codes"].device)
+        w13 = native_matrix(
+            t["w13_codes"][:, perm], t["w13_scales"][:, perm], self.w13_rows, self.hidden_p
+        )
+        w2 = native_matrix(t["w2_codes"], t["w2_scales"], self.w2_rows, self.inter_p)
+        rows = torch.zeros(n_experts, self.row_bytes, dtype=torch.uint8, device=perm.device)
+        for name, data in zip(SECTIONS, (*w13, *w2)):
+            rows[:, self.offsets[name] : self.offsets[name] + data.shape[1]] = data
+        return rows.numpy() if as_numpy else rows
+
+    def views(self, row):
+        """One native row (numpy or torch, 1-D, >= row_bytes) -> the logical sections."""
+        as_numpy = isinstance(row, np.ndarray)
+        r = torch.as_tensor(row).cpu().view(1, -1)
+
+        def sec(name):
+            return r[:, self.offsets[name] : self.offsets[name] + self.sizes[name]]
+
+        h, i = self.hidden, self.inter
+        c13, s13 = logical_matrix(
+            sec("w13_codes"), sec("w13_scales"), 2 * i, h, self.w13_rows, self.hidden_p
+        )
+        inverse = torch.argsort(self._w13_rows)
+        c13, s13 = c13[:, inverse], s13[:, inverse]
+        c2, s2 = logical_matrix(sec("w2_codes"), sec("w2_scales"), h, i, self.w2_rows, self.inter_p)
+        out = {"w13_codes": c13[0], "w13_scales": s13[0], "w2_codes": c2[0], "w2_scales": s2[0]}
+        if as_numpy:
+            return {k: v.numpy() for k, v in out.items()}
+        return {k: v.to(torch.as_tensor(row).device) for k, v in out.items()}

@@ -1,22 +1,43 @@
-"""Finding and loading the shipped cubins (design.md, Kernels).
+"""Loading the shipped cubins and launching their kernels (design.md, Kernels).
 
-The loader will load every cubin with `cuda.bindings.driver` (cuModuleLoadData) before graph
-capture and launch on torch's current stream. This version ships no cubins, so the probe below
-always answers "unavailable" with the reason, and callers use the torch reference
-(`moet_kernels.reference`).
+Cubins are package data (`moet_kernels/cubins/<name>.<arch>.cubin`), one per target: sm_90a
+(validated on the H200), sm_100a and sm_120a (compiled and audited, not yet run on such a GPU).
+They are loaded with `cuda.bindings.driver` (cuModuleLoadData) into the context torch made current,
+and launched with cuLaunchKernel on torch's current stream, so torch.cuda.graph captures them.
+Modules load once per device, on first use or through `load()`; loading during graph capture is
+refused, because module loading is not capturable: call `load()` (or run once eagerly) first.
+`MOET_KERNELS_CUBIN_DIR` points the loader at another folder of cubins (development builds).
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from importlib import resources
+from pathlib import Path
 
 CUBIN_DIR = "cubins"  # package data folder: moet_kernels/cubins/*.cubin
+MODULE = "w2_moe"  # csrc/w2_moe.cu
+ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (12, 0): "sm_120a"}
+VALIDATED = {"sm_90a"}
+
+
+class KernelError(RuntimeError):
+    """The kernels cannot run here; the message says why and what to do."""
+
+
+def _cubin_folder() -> Path | None:
+    override = os.environ.get("MOET_KERNELS_CUBIN_DIR")
+    if override:
+        return Path(override)
+    folder = resources.files("moet_kernels").joinpath(CUBIN_DIR)
+    return Path(str(folder)) if folder.is_dir() else None
 
 
 def shipped_cubins() -> list[str]:
-    """Names of the cubins packaged with this build (none yet)."""
-    folder = resources.files("moet_kernels").joinpath(CUBIN_DIR)
-    if not folder.is_dir():
+    """Names of the cubins this build ships (or MOET_KERNELS_CUBIN_DIR holds)."""
+    folder = _cubin_folder()
+    if folder is None or not folder.is_dir():
         return []
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".cubin"))
 
@@ -29,20 +50,134 @@ def _cuda_device() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)
 
 
-def kernels_available() -> tuple[bool, str]:
-    """Whether the GPU kernels can run here, and why not when they cannot.
+def arch_of(device) -> str:
+    """The cubin target for a torch CUDA device, or a KernelError naming what is supported."""
+    import torch
 
-    Returns `(True, "")` only when kernels can actually be launched; in this version never.
-    """
+    cc = torch.cuda.get_device_capability(device)
+    if cc not in ARCHS:
+        supported = ", ".join(f"{a} (compute capability {m}.{n})" for (m, n), a in ARCHS.items())
+        raise KernelError(
+            f"{torch.cuda.get_device_name(device)} has compute capability {cc[0]}.{cc[1]}; "
+            f"moet-kernels ships cubins for {supported}. Use the torch reference "
+            "(moet_kernels.reference) on this GPU."
+        )
+    return ARCHS[cc]
+
+
+def kernels_available(device=None) -> tuple[bool, str]:
+    """Whether the GPU kernels can run here, and why not when they cannot."""
     if not _cuda_device():
         return False, "no CUDA device; ops fall back to the torch reference"
-    cubins = shipped_cubins()
-    if not cubins:
-        return False, "this build ships no cubins yet; ops fall back to the torch reference"
-    return False, (
-        f"{len(cubins)} cubin(s) found, but this version of moet-kernels has no loader for them; "
-        "ops fall back to the torch reference"
-    )
+    try:
+        arch = arch_of(device if device is not None else 0)
+    except KernelError as e:
+        return False, str(e)
+    name = f"{MODULE}.{arch}.cubin"
+    if name not in shipped_cubins():
+        return False, (
+            f"this build ships no {name} (built without nvcc?); ops fall back to the torch "
+            "reference. Reinstall moet-kernels from a wheel, or build it where nvcc is on PATH."
+        )
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False, (
+            "cuda.bindings is not installed (pip install cuda-bindings); ops fall back to the "
+            "torch reference"
+        )
+    note = "" if arch in VALIDATED else f" ({arch}: compiled and audited, not validated on a GPU)"
+    return True, note
 
 
-__all__ = ["kernels_available", "shipped_cubins"]
+def _check(result, what: str):
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, msg = driver.cuGetErrorString(err)
+        text = msg.decode() if isinstance(msg, bytes) else str(msg)
+        raise KernelError(f"{what} failed: {err.name if hasattr(err, 'name') else err}: {text}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+class Module:
+    """One loaded cubin on one device: its functions, launched on torch's current stream."""
+
+    def __init__(self, device_index: int):
+        import torch
+        from cuda.bindings import driver
+
+        self.device = torch.device("cuda", device_index)
+        arch = arch_of(self.device)
+        folder = _cubin_folder()
+        path = folder / f"{MODULE}.{arch}.cubin" if folder else None
+        if path is None or not path.is_file():
+            raise KernelError(
+                f"{MODULE}.{arch}.cubin is not in {folder}: this moet-kernels was built "
+                "without it. Reinstall from a wheel, or build where nvcc is on PATH."
+            )
+        if torch.cuda.is_current_stream_capturing():
+            raise KernelError(
+                "moet kernels must be loaded before CUDA graph capture: call "
+                "moet_kernels.loader.load() (or run the op once eagerly) first"
+            )
+        with torch.cuda.device(self.device):
+            torch.cuda.init()
+            torch.empty(1, device=self.device)  # make torch's primary context current
+            self._image = path.read_bytes()
+            self.module = _check(driver.cuModuleLoadData(self._image), f"loading {path.name}")
+        self.arch = arch
+        self._functions: dict[str, object] = {}
+
+    def function(self, name: str):
+        from cuda.bindings import driver
+
+        if name not in self._functions:
+            self._functions[name] = _check(
+                driver.cuModuleGetFunction(self.module, name.encode()), f"finding kernel {name}"
+            )
+        return self._functions[name]
+
+    def launch(self, name: str, grid: int, block: int, args: list) -> None:
+        """Launch kernel `name` with a 1-D grid on torch's current stream. `args` are ctypes
+        values in the kernel's parameter order."""
+        import torch
+        from cuda.bindings import driver
+
+        pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        _check(
+            driver.cuLaunchKernel(
+                self.function(name),
+                grid,
+                1,
+                1,
+                block,
+                1,
+                1,
+                0,
+                stream,
+                ctypes.addressof(pointers),
+                0,
+            ),
+            f"launching {name}",
+        )
+
+
+_modules: dict[int, Module] = {}
+
+
+def load(device=None) -> Module:
+    """The kernels' module on `device` (default: torch's current CUDA device), loaded once."""
+    import torch
+
+    index = torch.device(device).index if device is not None else torch.cuda.current_device()
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _modules:
+        _modules[index] = Module(index)
+    return _modules[index]
+
+
+__all__ = ["KernelError", "Module", "arch_of", "kernels_available", "load", "shipped_cubins"]

@@ -12,8 +12,13 @@ Weights are in the logical W2 layout of moet checkpoints (design.md, Formats; `l
 Every product level * 2**(b - 127) is a power of two, so the float32 result is exact wherever
 float32 can hold it: from 2**-127 (a subnormal) up to 2**127; |w| = 2**128 and 2**129 (level 4 with
 b = 253 or 254) overflow to +-inf. The references have two modes (design.md, Kernels): `exact`
-(activations unquantized: the CPU serving path) is implemented here; `kernel` (mimicking the
-kernels' activation quantization) comes with the kernels, whose quantization it must mirror.
+(activations unquantized: the CPU serving path) and `kernel`, the GPU oracle, which mirrors what
+the kernels (csrc/w2_moe.cu) quantize: activations to int8 with a float32 scale per token and
+block of 32 along K (`quantize_activations`), before the gate/up and again before the down
+projection, and a scale byte of 0 (2**-127, only in all-zero or sub-1e-37 blocks) read as 0.
+Kernel mode computes each projection in float64 from those exact quantized operands; the kernels
+accumulate in float32, so the two agree to float32 rounding, and rarely by one int8 step where a
+value sits on a rounding boundary.
 """
 
 from __future__ import annotations
@@ -57,6 +62,27 @@ def w2_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return w.to(torch.float32)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [T, K] (K a multiple of 32) -> (q int8 [T, K], s float32 [T, K/32]), as the kernels
+    do: per token and block of 32, s = amax / 127 and q = round-half-even(x / s) in float32
+    (q = 0 where s = 0); a block holding NaN gets s = NaN."""
+    t, k = x.shape
+    xb = x.to(torch.float32).view(t, k // BLOCK, BLOCK)
+    nan = torch.isnan(xb).any(dim=-1)
+    s = xb.abs().nan_to_num(nan=0.0).amax(dim=-1) / 127.0
+    s = torch.where(nan, torch.nan, s)
+    safe = torch.where(s > 0, s, 1.0).unsqueeze(-1)
+    q = torch.where(s.unsqueeze(-1) > 0, torch.round(xb / safe), 0.0).nan_to_num(nan=0.0)
+    return q.to(torch.int8).view(t, k), s
+
+
+def _dequant_activations(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The exact float64 value of quantized activations."""
+    return (
+        q.to(torch.float64).unflatten(-1, (-1, BLOCK)) * s.to(torch.float64).unsqueeze(-1)
+    ).flatten(-2)
+
+
 def _check_expert_weights(
     name: str, codes: torch.Tensor, scales: torch.Tensor, n: int | None, k: int | None
 ) -> tuple[int, int, int]:
@@ -88,6 +114,8 @@ def w2_moe_reference(
     projection, rows I..2I-1 the up projection (vLLM's fused w13 order);
     w2 = (codes uint8 [E, H, I/4], scales uint8 [E, H, I/32]), the down projection.
 
+    `kernel` mode: the GPU kernels' arithmetic (module docstring).
+
     `exact` mode: weights are dequantized exactly to float32 and activations stay unquantized.
     For each (token t, slot j): a = SiLU(x W_gate^T) * (x W_up^T); y_j = a W_down^T, all in
     float32; then out[t] = sum over j = 0, 1, ..., k-1 in that fixed order of
@@ -96,11 +124,6 @@ def w2_moe_reference(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if mode == "kernel":
-        raise NotImplementedError(
-            "mode='kernel' mirrors the GPU kernels' activation quantization; it comes with the "
-            "kernels (this version has none). Use mode='exact'."
-        )
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a float [T, H] tensor, got {x.dtype} {tuple(x.shape)}")
     t, h = x.shape
@@ -122,17 +145,25 @@ def w2_moe_reference(
     def experts(i):
         return w13[0][i], w13[1][i], w2[0][i], w2[1][i]
 
-    return _moe_exact(x, topk_ids, topk_weights, inter, experts)
+    return _moe(x, topk_ids, topk_weights, inter, experts, mode=mode)
 
 
-def _moe_exact(x, topk_ids, topk_weights, inter, experts, skip=None) -> torch.Tensor:
-    """The exact-mode MoE over experts given by `experts(e)` -> (w13 codes, w13 scales, w2 codes,
-    w2 scales); experts for which `skip(e)` is true contribute zero. Each expert's routed tokens
+def _kernel_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Weights as the kernels read them (a scale byte of 0 is 0), float64."""
+    w = w2_dequant(codes, scales).to(torch.float64)
+    return torch.where((scales == 0).repeat_interleave(BLOCK, dim=-1), 0.0, w)
+
+
+def _moe(x, topk_ids, topk_weights, inter, experts, skip=None, mode="exact") -> torch.Tensor:
+    """The MoE over experts given by `experts(e)` -> (w13 codes, w13 scales, w2 codes, w2
+    scales); experts for which `skip(e)` is true contribute zero. Each expert's routed tokens
     go through one matmul in token order, and the top-k sum is in slot order, so the result for a
     token does not depend on which other experts were skipped: a replay after a fetch is
     bit-identical to a forward that never missed."""
     t, h = x.shape
     xf = x.to(torch.float32)
+    if mode == "kernel":
+        xk = _dequant_activations(*quantize_activations(xf))
     ids = topk_ids.long()
     slot_out = torch.zeros(t, ids.shape[1], h, dtype=torch.float32, device=x.device)
     for expert in torch.unique(ids).tolist():  # dequantize each routed expert once
@@ -140,6 +171,12 @@ def _moe_exact(x, topk_ids, topk_weights, inter, experts, skip=None) -> torch.Te
             continue
         tok, slot = torch.nonzero(ids == expert, as_tuple=True)
         c13, s13, c2, s2 = experts(expert)
+        if mode == "kernel":
+            gate_up = (xk[tok] @ _kernel_weights(c13, s13).T).to(torch.float32)
+            act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            ak = _dequant_activations(*quantize_activations(act))
+            slot_out[tok, slot] = (ak @ _kernel_weights(c2, s2).T).to(torch.float32)
+            continue
         w13_e = w2_dequant(c13, s13)  # [2I, H]
         w2_e = w2_dequant(c2, s2)  # [H, I]
         gate_up = xf[tok] @ w13_e.T  # [n, 2I]
@@ -162,11 +199,13 @@ def w2_moe_slots_reference(
     n_real_tokens: int,
     miss_count: torch.Tensor,
     routed: torch.Tensor,
+    mode: str = "exact",
 ) -> torch.Tensor:
     """`w2_moe_reference` over a pool of expert slots (tiered residency, design.md): the route
     op's semantics that the GPU kernels implement too.
 
-    pool uint8 [n_slots, >= layout.row_bytes] holds expert rows (`moet_kernels.layout.RowLayout`);
+    pool uint8 [n_slots, >= layout.row_bytes] holds expert rows (`moet_kernels.layout.RowLayout`
+    or `NativeRowLayout`);
     slot_table int32 [E]: this layer's slot of each expert, -1 if not resident. A routed
     (token, expert) pair whose expert is not resident contributes zero; for the first
     `n_real_tokens` rows (padding rows never count) each such pair adds 1 to `miss_count`
@@ -192,7 +231,7 @@ def w2_moe_slots_reference(
         v = layout.views(pool[int(slots[e])])
         return v["w13_codes"], v["w13_scales"], v["w2_codes"], v["w2_scales"]
 
-    return _moe_exact(x, ids, topk_weights, layout.inter, experts, skip=lambda e: slots[e] < 0)
+    return _moe(x, ids, topk_weights, layout.inter, experts, skip=lambda e: slots[e] < 0, mode=mode)
 
 
 SCORINGS = ("softmax", "sigmoid")
@@ -278,5 +317,6 @@ __all__ = [
     "route_reference",
     "w2_dequant",
     "w2_moe_reference",
+    "quantize_activations",
     "w2_moe_slots_reference",
 ]

@@ -1,0 +1,416 @@
+"""moet-kernels on a GPU: build, validate and time the W2 MoE op in one run (issue 5).
+
+    python bench/kernels.py [--out DIR] [--only validate|time] [--sanitize]
+
+Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
+cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
+
+- validate: every case draws fresh random weights, activations and routings; the op's output is
+  compared with the kernel-mode reference (float64 GEMMs over the kernels' int8 activations) and
+  the exact reference; buffers are poisoned before each run; a rerun must be byte-identical; a
+  CUDA graph replay must equal the eager run; with random slot tables the miss counter and the
+  routed mask must be exact, counting real rows only.
+- time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
+  size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing; effective
+  bandwidth on routed expert bytes as a share of the device-to-device copy bandwidth measured in
+  the same run; per-kernel times from the profiler; vLLM 0.24's kernels from design.md, marked
+  "not same run".
+- --sanitize: a reduced validation for compute-sanitizer (memcheck, racecheck).
+
+Writes kernels-<gpu>-<date>.json to --out (default bench/results/kernels/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages" / "moet-kernels" / "src"))
+
+import torch  # noqa: E402
+
+# vLLM 0.24 on the H200, GLM-5.2 layer, graph replays, uniform routing (design.md): not same run.
+VLLM_US = {
+    "bf16 Triton fused_moe": {1: 175, 8: 1090, 32: 2738},
+    "FP8 block-128": {1: 107, 8: 596, 32: 1473},
+    "Marlin W4A16": {1: 82, 8: 409, 32: 1063},
+}
+SHAPES = {  # name: (hidden, inter, experts, top_k)
+    "glm-5.2": (6144, 2048, 256, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+    "kimi-k2": (7168, 2048, 384, 8),
+    "qwen3-235b": (4096, 1536, 128, 8),
+    "glm-5.2-tp2": (6144, 1024, 256, 8),
+    "deepseek-v3-tp4": (7168, 512, 256, 8),
+    "qwen3-235b-tp4": (4096, 384, 128, 8),
+    "fixture": (128, 32, 64, 4),
+}
+
+
+def build_cubin() -> None:
+    if os.environ.get("MOET_KERNELS_CUBIN_DIR"):
+        return
+    out = Path(tempfile.mkdtemp(prefix="moet-cubins-"))
+    major, minor = torch.cuda.get_device_capability()
+    arch = {(9, 0): "90a", (10, 0): "100a", (12, 0): "120a"}[(major, minor)]
+    src = ROOT / "packages" / "moet-kernels" / "csrc" / "w2_moe.cu"
+    cmd = ["nvcc", "-cubin", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas",
+           "-v", "-o", str(out / f"w2_moe.sm_{arch}.cubin"), str(src)]  # fmt: skip
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"nvcc failed:\n{r.stderr}")
+    print(f"built sm_{arch} cubin in {time.time() - t0:.1f} s")
+    os.environ["MOET_KERNELS_CUBIN_DIR"] = str(out)
+
+
+def environment() -> dict:
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "nvidia_smi": smi,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": os.environ.get("MOET_COMMIT", "unknown"),
+        "command": " ".join(sys.argv),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+class Layer:
+    """Random W2 experts of one MoE layer: logical tensors (for the references) and a native
+    pool on the GPU whose slots hold the experts in a random order."""
+
+    def __init__(self, hidden, inter, n_experts, gen, resident=1.0, keep_logical=True):
+        from moet_kernels.layout import NativeRowLayout
+
+        dev = "cuda"
+        self.hidden, self.inter, self.n_experts = hidden, inter, n_experts
+
+        def codes(*shape):
+            return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+
+        def scales(*shape):  # realistic weight scales: 2^-9 .. 2^-3
+            return torch.randint(118, 125, shape, dtype=torch.uint8, device=dev, generator=gen)
+
+        e, h, i = n_experts, hidden, inter
+        self.c13, self.s13 = codes(e, 2 * i, h // 4), scales(e, 2 * i, h // 32)
+        self.c2, self.s2 = codes(e, h, i // 4), scales(e, h, i // 32)
+        self.lay = NativeRowLayout(hidden, inter)
+        rows = torch.cat(
+            [
+                self.lay.pack(
+                    w13_codes=self.c13[a : a + 16],
+                    w13_scales=self.s13[a : a + 16],
+                    w2_codes=self.c2[a : a + 16],
+                    w2_scales=self.s2[a : a + 16],
+                )  # fmt: skip
+                for a in range(0, e, 16)
+            ]
+        )
+        order = torch.randperm(e, device=dev, generator=gen)
+        self.pool = torch.empty_like(rows)
+        self.pool[order] = rows  # expert x lives in slot order[x]
+        self.slots = order.to(torch.int32)
+        if resident < 1.0:
+            gone = torch.rand(e, device=dev, generator=gen) >= resident
+            self.slots[gone] = -1
+        if not keep_logical:
+            del self.c13, self.s13, self.c2, self.s2
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert at 2.25 bits/weight (codes + UE8M0 scales, no padding)."""
+        return 3 * self.hidden * self.inter * 9 // 32
+
+
+def routing(n_tok, n_experts, top_k, gen, dev="cuda"):
+    scores = torch.rand(n_tok, n_experts, device=dev, generator=gen)
+    ids = scores.topk(top_k, dim=1).indices.to(torch.int32)  # distinct, uniform
+    w = torch.rand(n_tok, top_k, device=dev, generator=gen)
+    return ids, w / w.sum(dim=1, keepdim=True)
+
+
+def run_op(layer, x, ids, w, n_real, miss, routed):
+    from moet_kernels.ops import w2_moe_slots
+
+    return w2_moe_slots(
+        x, ids, w, layer.pool, layer.slots, layer.hidden, layer.inter, n_real, miss, routed
+    )
+
+
+def poison_workspaces(layer) -> None:
+    from moet_kernels import ops
+
+    for ws in ops._workspaces.values():
+        ws.y.fill_(float("nan"))
+        ws.xq.fill_(0x55)
+        ws.xs.fill_(float("nan"))
+        ws.job_pairs.fill_(0x7FFFFFFF)
+        ws.job_slot.fill_(0x7FFFFFFF)
+        ws.aq[:, : layer.inter].fill_(0x55)
+        ws.as_[:, : layer.inter // 32].fill_(float("nan"))
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def validate_case(name, hidden, inter, n_experts, top_k, n_tok, gen, dtype, resident, pad):
+    from moet_kernels.reference import _moe
+
+    layer = Layer(hidden, inter, n_experts, gen, resident=resident)
+    ids, w = routing(n_tok, n_experts, top_k, gen)
+    x = (torch.randn(n_tok, hidden, device="cuda", generator=gen) * 0.5).to(dtype)
+    n_real = max(1, n_tok - pad)
+    nr = torch.tensor([n_real], dtype=torch.int32, device="cuda")
+    result = {"case": name, "hidden": hidden, "inter": inter, "experts": n_experts,
+              "top_k": top_k, "tokens": n_tok, "real_tokens": n_real, "dtype": str(dtype),
+              "resident": resident}  # fmt: skip
+    miss = torch.zeros(1, dtype=torch.int32, device="cuda")
+    routed = torch.zeros(n_experts, dtype=torch.uint8, device="cuda")
+    run_op(layer, x, ids, w, nr, miss, routed)  # allocates the workspace
+    poison_workspaces(layer)
+    miss.zero_()
+    routed.zero_()
+    out = run_op(layer, x, ids, w, nr, miss, routed)
+    torch.cuda.synchronize()
+    slots = layer.slots.long()
+    real_ids = ids[:n_real].long()
+    want_miss = int((slots[real_ids] < 0).sum())
+    want_routed = torch.zeros(n_experts, dtype=torch.uint8, device="cuda")
+    want_routed[real_ids.unique()] = 1
+    result["miss_count"] = [int(miss.item()), want_miss]
+    result["routed_exact"] = bool(torch.equal(routed, want_routed))
+    result["finite"] = bool(torch.isfinite(out).all())
+
+    def experts(e):
+        return layer.c13[e], layer.s13[e], layer.c2[e], layer.s2[e]
+
+    def skip(e):
+        return bool(slots[e] < 0)
+
+    xf = x.float()
+    ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel")
+    ref_x = _moe(xf.double(), ids.long(), w, inter, experts, skip=skip, mode="exact")
+    result["rel_vs_kernel_ref"] = rel(out.float(), ref_k)
+    result["rel_vs_exact_ref"] = rel(out.float(), ref_x)
+    result["rel_kernel_ref_vs_exact_ref"] = rel(ref_k, ref_x)
+    # rerun: byte-identical
+    miss.zero_()
+    out2 = run_op(layer, x, ids, w, nr, miss, routed)
+    result["rerun_identical"] = bool(torch.equal(out.view(torch.uint8), out2.view(torch.uint8)))
+    # graph replay equals eager
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_op(layer, x, ids, w, nr, miss, routed)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out_g = run_op(layer, x, ids, w, nr, miss, routed)
+    poison_workspaces(layer)
+    miss.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    result["graph_equals_eager"] = bool(torch.equal(out_g.view(torch.uint8), out.view(torch.uint8)))
+    result["graph_miss_count"] = int(miss.item())
+    tol_k = 1e-3 if dtype == torch.float32 else 6e-3
+    result["ok"] = bool(
+        result["finite"]
+        and result["miss_count"][0] == want_miss
+        and result["graph_miss_count"] == want_miss
+        and result["routed_exact"]
+        and result["rel_vs_kernel_ref"] <= tol_k
+        and result["rel_vs_exact_ref"] <= 5e-2
+        and result["rerun_identical"]
+        and result["graph_equals_eager"]
+    )
+    return result
+
+
+def validate(gen, reduced: bool) -> list[dict]:
+    results = []
+    if reduced:
+        plan = [
+            ("fixture", 5, torch.float32, 0.7, 2),
+            ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0),
+        ]
+    else:
+        plan = []
+        for name in SHAPES:
+            small = name in ("fixture", "qwen3-235b-tp4", "deepseek-v3-tp4")
+            for n_tok in (1, 3, 8, 32, 100) if small else (1, 8, 32):
+                plan.append((name, n_tok, torch.float32, 1.0, 0))
+            plan.append((name, 8, torch.bfloat16, 0.6, 3))  # misses, padding rows, bf16
+            plan.append((name, 33, torch.float32, 0.8, 5))
+    for name, n_tok, dtype, resident, pad in plan:
+        h, i, e, k = SHAPES[name]
+        t0 = time.time()
+        r = validate_case(name, h, i, e, k, n_tok, gen, dtype, resident, pad)
+        r["seconds"] = round(time.time() - t0, 2)
+        results.append(r)
+        print(
+            f"{'ok  ' if r['ok'] else 'FAIL'} {name:16s} T={n_tok:3d} {str(dtype)[6:]:8s} "
+            f"res={resident:.1f} rel_k={r['rel_vs_kernel_ref']:.2e} "
+            f"rel_x={r['rel_vs_exact_ref']:.2e} (ref_k vs ref_x {r['rel_kernel_ref_vs_exact_ref']:.2e}) "
+            f"miss={r['miss_count']} rerun={r['rerun_identical']} graph={r['graph_equals_eager']}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    return results
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    a.random_()
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n / sorted(times[5:])[len(times[5:]) // 2]
+
+
+def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512)) -> dict:
+    from moet_kernels import ops
+
+    h, i, e, k = SHAPES["glm-5.2"]
+    layers = [Layer(h, i, e, gen, keep_logical=False) for _ in range(n_layers)]
+    bw = copy_bandwidth()
+    out = {"copy_bandwidth_GBps": bw / 1e9, "layers_in_graph": n_layers, "batches": {}}
+    nr_all = {}
+    for n_tok in batches:
+        ops._workspaces.clear()
+        xs = [
+            torch.randn(n_tok, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in layers
+        ]
+        routes = [routing(n_tok, e, k, gen) for _ in layers]
+        nr_all[n_tok] = torch.tensor([n_tok], dtype=torch.int32, device="cuda")
+        miss = torch.zeros(1, dtype=torch.int32, device="cuda")
+        routed = torch.zeros(e, dtype=torch.uint8, device="cuda")
+
+        def step(xs=xs, routes=routes, nr=nr_all[n_tok], miss=miss, routed=routed):
+            for layer, x, (ids, w) in zip(layers, xs, routes):
+                run_op(layer, x, ids, w, nr, miss, routed)
+
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            step()
+        for _ in range(3):
+            g.replay()
+        reps = 20
+        times = []
+        for _ in range(5):
+            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.record()
+            for _ in range(reps):
+                g.replay()
+            en.record()
+            en.synchronize()
+            times.append(st.elapsed_time(en) / 1e3 / (reps * n_layers))
+        t_layer = sorted(times)[len(times) // 2]
+        distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / n_layers
+        bytes_routed = distinct * layers[0].expert_bytes()
+        # per-kernel split from the profiler over a few replays
+        kernels = {}
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    g.replay()
+                torch.cuda.synchronize()
+            for evt in prof.key_averages():
+                if evt.key.startswith("moet_"):
+                    dev_total = getattr(evt, "device_time_total", None)
+                    if dev_total is None:
+                        dev_total = evt.cuda_time_total
+                    kernels[evt.key] = dev_total / max(1, evt.count)
+        except Exception as exc:  # the split is informative; the timing above is the result
+            kernels = {"error": repr(exc)}
+        gemm_us = sum(v for kname, v in kernels.items() if kname in ("moet_w13", "moet_w2"))
+        row = {
+            "us_per_layer": t_layer * 1e6,
+            "distinct_experts": distinct,
+            "routed_bytes": bytes_routed,
+            "effective_GBps": bytes_routed / t_layer / 1e9,
+            "share_of_copy_bw": bytes_routed / t_layer / bw,
+            "kernel_us": kernels,
+        }
+        if gemm_us:
+            row["gemm_share_of_copy_bw"] = bytes_routed / (gemm_us * 1e-6) / bw
+        for name, figs in VLLM_US.items():
+            if n_tok in figs:
+                row[f"vs {name} (not same run)"] = t_layer * 1e6 / figs[n_tok]
+        out["batches"][n_tok] = row
+        print(
+            f"T={n_tok:4d}: {t_layer * 1e6:8.1f} us/layer, {distinct:6.1f} experts, "
+            f"{bytes_routed / t_layer / 1e9:7.1f} GB/s = {bytes_routed / t_layer / bw:.2f} of copy; "
+            + " ".join(f"{kk}={v:.1f}" for kk, v in kernels.items() if isinstance(v, float)),
+            flush=True,
+        )
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels"))
+    ap.add_argument("--only", choices=("validate", "time"))
+    ap.add_argument("--sanitize", action="store_true", help="reduced validation only")
+    ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
+        return 2
+    build_cubin()
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    report = {"environment": environment(), "seed": seed}
+    if args.sanitize:
+        res = validate(gen, reduced=True)
+        return 0 if all(r["ok"] for r in res) else 1
+    ok = True
+    if args.only in (None, "validate"):
+        report["validation"] = validate(gen, reduced=False)
+        ok = all(r["ok"] for r in report["validation"])
+        print(f"validation: {sum(r['ok'] for r in report['validation'])}/"
+              f"{len(report['validation'])} cases ok")  # fmt: skip
+    if args.only in (None, "time"):
+        report["timing"] = time_layers(gen)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name().split()[-1].lower()
+    path = out / f"kernels-{gpu}-{report['environment']['date']}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,449 @@
+// moet W2 MoE kernels: route -> w13 (gate/up, SiLU * up, re-quantization) -> w2 (down) -> combine.
+//
+// The portable int8 mma.sync path (design.md, Kernels): weights are 2-bit codes {-4,-1,+1,+4} with
+// a UE8M0 scale per 32 along K, decoded to int8 by one PRMT per 4 weights; activations are int8
+// with a float32 scale per 32 along K (per token), so each m16n8k32 tile's int32 sum is promoted
+// to float32 once: acc += float(sum) * (weight scale * activation scale).
+//
+// Weights are read in the kernel-native layout of moet_kernels.layout (NativeRowLayout): for each
+// group of 64 rows and each chunk of 128 along K, 4 row tiles x 32 lanes x 16 bytes, so a warp's
+// 16-byte loads stream one contiguous 2 KiB piece; lane L's 32-bit word for k-tile t holds the 16
+// codes of its mma A fragment. Activations use the matching permuted int8 layout.
+//
+// Everything is graph-capturable: fixed buffers sized for the worst case, the job count read on
+// the device, persistent grids that stride over (job, row group) work items. Results do not
+// depend on the grid size: every sum has a fixed order (split-K partials reduced warp 0..3, the
+// top-k sum in slot order).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int TOK = 8;            // pairs per job: the mma's N
+constexpr int KCHUNK = 128;       // K per chunk: 4 k-tiles of 32, one 16-byte load per lane
+constexpr int WARPS = 4;          // split-K warps per CTA
+constexpr int THREADS = WARPS * 32;
+constexpr int CODE_CHUNK = 2048;  // code bytes per (64-row group, K chunk)
+constexpr int SCALE_CHUNK = 256;  // scale bytes per (64-row group, K chunk)
+constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
+constexpr int ROUTE_THREADS = 256;
+constexpr int MAX_EXPERTS = 1024;
+constexpr int ID_TILE = 2048;
+
+__device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 ld_stream8(const uint8_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];"
+               : "=r"(v.x), "=r"(v.y)
+               : "l"(p));
+  return v;
+}
+
+// UE8M0 byte i of a word -> 2^(b-127) as float32. b = 0 (2^-127) reads as 0; the packer refuses
+// b = 255 (NaN), so neither special case costs an instruction here.
+__device__ __forceinline__ float ue8m0(uint32_t w, int i) {
+  return __uint_as_float(((w >> (8 * i)) & 0xFFu) << 23);
+}
+
+__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%10,%10,%10};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ float f4_of(const float4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Byte offset of k inside a permuted int8 activation row: per chunk of 128, lane group tig's 32
+// bytes hold its B fragments for the 4 k-tiles (b0 then b1 of each).
+__device__ __forceinline__ int act_pos(int k) {
+  int c = k >> 7, tt = (k >> 5) & 3, kk = k & 31;
+  return c * KCHUNK + ((kk & 15) >> 2) * 32 + tt * 8 + (kk >> 4) * 4 + (kk & 3);
+}
+
+// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
+// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
+__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, const uint8_t* scales,
+                                       int nchunks, const int8_t* act_g, const float* as0,
+                                       const float* as1, int warp, int lane) {
+  const int g = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
+#pragma unroll 2
+  for (int c = warp; c < nchunks; c += WARPS) {
+    uint4 cw[4];
+    uint2 sw[4];
+#pragma unroll
+    for (int rt = 0; rt < 4; ++rt) {
+      cw[rt] = ld_stream16(codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
+      sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
+    }
+    uint4 b_lo = make_uint4(0, 0, 0, 0), b_hi = make_uint4(0, 0, 0, 0);
+    if (act_g) {
+      const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
+      b_lo = p[0];
+      b_hi = p[1];
+    }
+    float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+    if (as0) x0 = reinterpret_cast<const float4*>(as0)[c];
+    if (as1) x1 = reinterpret_cast<const float4*>(as1)[c];
+#pragma unroll
+    for (int tt = 0; tt < 4; ++tt) {
+      const uint32_t b0 = word_of(tt < 2 ? b_lo : b_hi, (tt & 1) * 2);
+      const uint32_t b1 = word_of(tt < 2 ? b_lo : b_hi, (tt & 1) * 2 + 1);
+      const float s0 = f4_of(x0, tt), s1 = f4_of(x1, tt);
+#pragma unroll
+      for (int rt = 0; rt < 4; ++rt) {
+        const uint32_t w = word_of(cw[rt], tt);
+        const uint32_t a0 = __byte_perm(LEVELS, 0, w & 0x3333u);
+        const uint32_t a1 = __byte_perm(LEVELS, 0, (w >> 2) & 0x3333u);
+        const uint32_t a2 = __byte_perm(LEVELS, 0, (w >> 16) & 0x3333u);
+        const uint32_t a3 = __byte_perm(LEVELS, 0, (w >> 18) & 0x3333u);
+        int d[4];
+        mma_s8(d, a0, a1, a2, a3, b0, b1);
+        const float wg = ue8m0(sw[rt].x, tt), wg8 = ue8m0(sw[rt].y, tt);
+        f[rt][0] = fmaf((float)d[0], wg * s0, f[rt][0]);
+        f[rt][1] = fmaf((float)d[1], wg * s1, f[rt][1]);
+        f[rt][2] = fmaf((float)d[2], wg8 * s0, f[rt][2]);
+        f[rt][3] = fmaf((float)d[3], wg8 * s1, f[rt][3]);
+      }
+    }
+  }
+}
+
+// Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
+__device__ __forceinline__ void reduce_warps(float (&f)[4][4], float (*red)[16][32], int warp,
+                                             int lane) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) red[warp][i][lane] = f[i >> 2][i & 3];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      float v = red[0][i][lane];
+#pragma unroll
+      for (int w = 1; w < WARPS; ++w) v = __fadd_rn(v, red[w][i][lane]);
+      f[i >> 2][i & 3] = v;
+    }
+  }
+}
+
+// Quantizes 32 values to int8 with one float32 scale, as reference.quantize_activations does:
+// s = amax / 127, q = round-half-even(v / s), q = 0 when s = 0.
+__device__ __forceinline__ int quant_one(float v, float s) {
+  return s > 0.f ? __float2int_rn(__fdiv_rn(v, s)) : 0;
+}
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+
+// Block-wide exclusive scan of one int per thread (ROUTE_THREADS threads); returns the total too.
+__device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int incl = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int n = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += n;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int w = 0; w < ROUTE_THREADS / 32; ++w) {
+      int s = warp_sums[w];
+      warp_sums[w] = run;
+      run += s;
+    }
+    *total = run;
+  }
+  __syncthreads();
+  return warp_sums[warp] + incl - v;
+}
+
+// Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 8 per
+// job), pair flags, the miss counter and the routed mask. Blocks 1..: activation quantization.
+template <typename T>
+__device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
+                      const int* slot_table, int n_experts, const int* n_real, int* miss_count,
+                      uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot,
+                      int* job_pairs, uint8_t* pair_ok) {
+  const int tid = threadIdx.x;
+  if (blockIdx.x == 0) {
+    __shared__ int s_ids[ID_TILE];
+    __shared__ int s_cnt[MAX_EXPERTS];
+    __shared__ int s_base[MAX_EXPERTS];
+    __shared__ int warp_sums[ROUTE_THREADS / 32];
+    __shared__ int s_total;
+    const int n_pairs = n_tok * top_k;
+    const int per = (n_experts + ROUTE_THREADS - 1) / ROUTE_THREADS;
+    const int e0 = tid * per, e1 = min(n_experts, e0 + per);
+    for (int e = e0; e < e1; ++e) s_cnt[e] = 0;
+    for (int base = 0; base < n_pairs; base += ID_TILE) {  // pass 1: count my experts' pairs
+      const int n = min(ID_TILE, n_pairs - base);
+      __syncthreads();
+      for (int i = tid; i < n; i += ROUTE_THREADS) s_ids[i] = ids[base + i];
+      __syncthreads();
+      for (int i = 0; i < n; ++i) {
+        const int e = s_ids[i];
+        if (e >= e0 && e < e1) ++s_cnt[e];
+      }
+    }
+    int my_jobs = 0;
+    for (int e = e0; e < e1; ++e)
+      if (slot_table[e] >= 0) my_jobs += (s_cnt[e] + TOK - 1) / TOK;
+    int job = block_exclusive_scan(my_jobs, &s_total, warp_sums);
+    for (int e = e0; e < e1; ++e) {
+      s_base[e] = job;
+      const int slot = slot_table[e];
+      const int nj = slot >= 0 ? (s_cnt[e] + TOK - 1) / TOK : 0;
+      for (int j = 0; j < nj; ++j, ++job) {
+        job_slot[job] = slot;
+        for (int i = 0; i < TOK; ++i) job_pairs[job * TOK + i] = -1;
+      }
+      s_cnt[e] = 0;  // reused as the fill count of pass 2
+    }
+    if (tid == 0) *n_jobs = s_total;
+    for (int base = 0; base < n_pairs; base += ID_TILE) {  // pass 2: place pairs in order
+      const int n = min(ID_TILE, n_pairs - base);
+      __syncthreads();
+      for (int i = tid; i < n; i += ROUTE_THREADS) s_ids[i] = ids[base + i];
+      __syncthreads();
+      for (int i = 0; i < n; ++i) {
+        const int e = s_ids[i];
+        if (e >= e0 && e < e1 && slot_table[e] >= 0) {
+          const int j = s_cnt[e]++;
+          job_pairs[(s_base[e] + j / TOK) * TOK + j % TOK] = base + i;
+        }
+      }
+    }
+    const int real = min(*n_real, n_tok) * top_k;
+    int misses = 0;
+    for (int p = tid; p < n_pairs; p += ROUTE_THREADS) {
+      const int e = ids[p];
+      const bool valid = e >= 0 && e < n_experts;
+      const bool ok = valid && slot_table[e] >= 0;
+      pair_ok[p] = ok;
+      if (p < real && valid) {
+        routed[e] = 1;
+        misses += !ok;
+      }
+    }
+    __syncthreads();  // warp_sums and s_total are reused
+    block_exclusive_scan(misses, &s_total, warp_sums);
+    if (tid == 0 && s_total > 0) atomicAdd(miss_count, s_total);
+    return;
+  }
+  // Activation quantization: one thread per (token, block of 32); padded blocks are zero.
+  const int nblk = hidden_p / 32;
+  const int stride = (gridDim.x - 1) * blockDim.x;
+  for (int item = (blockIdx.x - 1) * blockDim.x + tid; item < n_tok * nblk; item += stride) {
+    const int t = item / nblk, b = item % nblk;
+    float v[32];
+    float amax = 0.f;
+    if (b * 32 < hidden) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        v[i] = to_f32<T>(x[(size_t)t * hidden + b * 32 + i]);
+        amax = fmaxf(amax, fabsf(v[i]));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) v[i] = 0.f;
+    }
+    bool has_nan = false;  // fmaxf drops NaN: a NaN input makes the block's scale NaN
+#pragma unroll
+    for (int i = 0; i < 32; ++i) has_nan |= v[i] != v[i];
+    const float s = has_nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
+    xs[(size_t)t * nblk + b] = s;
+    uint32_t* row = reinterpret_cast<uint32_t*>(xq + (size_t)t * hidden_p);
+    const int c = b >> 2, tt = b & 3;
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi)
+#pragma unroll
+      for (int tg = 0; tg < 4; ++tg) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          word |= (uint32_t)(uint8_t)(int8_t)quant_one(v[hi * 16 + tg * 4 + i], s) << (8 * i);
+        row[(c * KCHUNK + tg * 32 + tt * 8 + hi * 4) / 4] = word;
+      }
+  }
+}
+
+__device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(-v)); }
+
+}  // namespace
+
+#define MOET_ROUTE(NAME, T)                                                                   \
+  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                 \
+      NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,        \
+           const int* slot_table, int n_experts, const int* n_real, int* miss_count,         \
+           uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot, int* job_pairs, \
+           uint8_t* pair_ok) {                                                                \
+    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, n_experts, n_real,          \
+             miss_count, routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);              \
+  }
+MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
+MOET_ROUTE(moet_route_f16, __half)
+MOET_ROUTE(moet_route_f32, float)
+
+// Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
+// SiLU(gate) * up, re-quantized per 32 to the permuted int8 layout of the down projection's input.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    moet_w13(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
+             int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p,
+             int top_k, const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq,
+             float* as, int inter_p) {
+  __shared__ float red[WARPS][16][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int work = *n_jobs * n_units;
+  for (int item = blockIdx.x; item < work; item += gridDim.x) {
+    const int job = item / n_units, u = item % n_units;
+    const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
+    const int* pairs = job_pairs + job * TOK;
+    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
+    const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
+    const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / 32) : nullptr;
+    const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / 32) : nullptr;
+    float f[4][4];
+    gemm64(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
+           row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+           lane);
+    reduce_warps(f, red, warp, lane);
+    if (warp == 0) {
+      // act[q][col]: q -> intermediate row g, g+8, 16+g, 24+g of this unit; col 2tig, 2tig+1
+      float act[4][2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int col = 0; col < 2; ++col) {
+          const int rt = q >> 1, j = (q & 1) * 2 + col;
+          act[q][col] = __fmul_rn(silu(f[rt][j]), f[rt + 2][j]);
+        }
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        float amax = 0.f;
+        bool nan = false;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          amax = fmaxf(amax, fabsf(act[q][col]));
+          nan |= act[q][col] != act[q][col];
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          nan |= __shfl_xor_sync(0xffffffffu, (int)nan, o);
+        }
+        const float s = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
+        const int pair = col ? p1 : p0;
+        if (pair >= 0) {
+          int8_t* dst = aq + (size_t)pair * inter_p;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int i = (q & 1) * 8 + (q >> 1) * 16 + g;
+            dst[act_pos(u * 32 + i)] = (int8_t)quant_one(act[q][col], s);
+          }
+          if (g == 0) as[(size_t)pair * (inter_p / 32) + u] = s;
+        }
+      }
+    }
+    __syncthreads();  // red is reused by the next item
+  }
+}
+
+// Down projection for (job, group of 64 output rows): y[pair][row] in float32.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    moet_w2(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
+            int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
+            const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {
+  __shared__ float red[WARPS][16][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int work = *n_jobs * n_groups;
+  for (int item = blockIdx.x; item < work; item += gridDim.x) {
+    const int job = item / n_groups, rg = item % n_groups;
+    const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
+    const int* pairs = job_pairs + job * TOK;
+    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
+    const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
+    const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / 32) : nullptr;
+    const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / 32) : nullptr;
+    float f[4][4];
+    gemm64(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
+           row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+           lane);
+    reduce_warps(f, red, warp, lane);
+    if (warp == 0) {
+#pragma unroll
+      for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int n = rg * 64 + rt * 16 + g + (j >> 1) * 8;
+          const int pair = (j & 1) ? p1 : p0;
+          if (pair >= 0 && n < hidden) y[(size_t)pair * hidden + n] = f[rt][j];
+        }
+    }
+    __syncthreads();
+  }
+}
+
+// out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
+// pairs whose expert was not resident (they contribute zero, as in the reference).
+template <typename T>
+__device__ void combine(const float* y, const float* weights, const uint8_t* pair_ok, int n_tok,
+                        int top_k, int hidden, T* out) {
+  const size_t n = (size_t)n_tok * hidden;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const int t = (int)(i / hidden), h = (int)(i % hidden);
+    float acc = 0.f;
+    for (int j = 0; j < top_k; ++j) {
+      const int p = t * top_k + j;
+      if (pair_ok[p]) acc = __fadd_rn(acc, __fmul_rn(weights[p], y[(size_t)p * hidden + h]));
+    }
+    out[i] = from_f32<T>(acc);
+  }
+}
+
+#define MOET_COMBINE(NAME, T)                                                                \
+  extern "C" __global__ void NAME(const float* y, const float* weights, const uint8_t* pair_ok, \
+                                  int n_tok, int top_k, int hidden, T* out) {                \
+    combine<T>(y, weights, pair_ok, n_tok, top_k, hidden, out);                              \
+  }
+MOET_COMBINE(moet_combine_bf16, __nv_bfloat16)
+MOET_COMBINE(moet_combine_f16, __half)
+MOET_COMBINE(moet_combine_f32, float)

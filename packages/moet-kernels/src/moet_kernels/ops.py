@@ -1,0 +1,225 @@
+"""The W2 MoE op: the GPU kernels where they run, the torch reference elsewhere.
+
+`w2_moe_slots(x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens,
+miss_count, routed)` has the semantics of `reference.w2_moe_slots_reference` (tiered residency,
+design.md) over a pool of expert rows in `layout.NativeRowLayout(hidden, inter)`. On a CUDA device
+with the kernels it runs four launches (csrc/w2_moe.cu): route (job lists, miss counter, routed
+mask, int8 activations), w13, w2, combine; all buffers have fixed addresses per batch shape, so
+the op is CUDA-graph capturable once it has run eagerly for that shape (vLLM's warm-up does
+this). Elsewhere it runs the reference in `exact` mode and says so once.
+
+It is registered as the torch custom op `moet::w2_moe_slots` with a fake (meta) implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .layout import NativeRowLayout
+from .loader import kernels_available, load
+from .reference import w2_moe_slots_reference
+
+log = logging.getLogger("moet_kernels")
+
+TOK = 8  # pairs per job (the kernels' TOK)
+MAX_EXPERTS = 1024  # the route kernel's limit
+OUT_KERNELS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+@dataclass
+class _Workspace:
+    ids: torch.Tensor
+    weights: torch.Tensor
+    xq: torch.Tensor
+    xs: torch.Tensor
+    n_jobs: torch.Tensor
+    job_slot: torch.Tensor
+    job_pairs: torch.Tensor
+    pair_ok: torch.Tensor
+    aq: torch.Tensor
+    as_: torch.Tensor
+    y: torch.Tensor
+    max_jobs: int
+
+
+_workspaces: dict[tuple, _Workspace] = {}
+_layouts: dict[tuple[int, int], NativeRowLayout] = {}
+_noted_fallback = False
+
+
+def native_layout(hidden: int, inter: int) -> NativeRowLayout:
+    key = (hidden, inter)
+    if key not in _layouts:
+        _layouts[key] = NativeRowLayout(hidden, inter)
+    return _layouts[key]
+
+
+def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
+    key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts)
+    ws = _workspaces.get(key)
+    if ws is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"moet::w2_moe_slots: no buffers for {n_tok} tokens yet; run the op once "
+                "eagerly with this batch size before capturing a CUDA graph"
+            )
+        pairs = n_tok * top_k
+        max_jobs = -(-pairs // TOK) + min(n_experts, pairs)
+
+        def z(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=dev)
+
+        ws = _Workspace(
+            ids=z(n_tok, top_k, dtype=torch.int32),
+            weights=z(n_tok, top_k, dtype=torch.float32),
+            xq=z(n_tok, lay.hidden_p, dtype=torch.int8),
+            xs=z(n_tok, lay.hidden_p // 32, dtype=torch.float32),
+            n_jobs=z(1, dtype=torch.int32),
+            job_slot=z(max_jobs, dtype=torch.int32),
+            job_pairs=z(max_jobs, TOK, dtype=torch.int32),
+            pair_ok=z(pairs, dtype=torch.uint8),
+            aq=z(pairs, lay.inter_p, dtype=torch.int8),  # padding columns stay zero
+            as_=z(pairs, lay.inter_p // 32, dtype=torch.float32),
+            y=z(pairs, lay.hidden, dtype=torch.float32),
+            max_jobs=max_jobs,
+        )
+        _workspaces[key] = ws
+    return ws
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed):
+    dev = x.device
+    n_tok, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    n_experts = slot_table.shape[0]
+    if n_experts > MAX_EXPERTS:
+        raise ValueError(f"the route kernel handles up to {MAX_EXPERTS} experts, got {n_experts}")
+    if x.dtype not in OUT_KERNELS:
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    mod = load(dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ws = _workspace(dev, n_tok, top_k, lay, n_experts)
+    ws.ids.copy_(topk_ids)
+    ws.weights.copy_(topk_weights)
+    x = x.contiguous()
+    out = torch.empty(n_tok, hidden, dtype=x.dtype, device=dev)
+    i32, i64 = ctypes.c_int, ctypes.c_longlong
+    kind = OUT_KERNELS[x.dtype]
+    items = n_tok * (lay.hidden_p // 32)
+    mod.launch(
+        f"moet_route_{kind}",
+        1 + min(-(-items // 256), 4 * sms),
+        256,
+        [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ws.ids), i32(top_k),
+         _ptr(slot_table), i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count), _ptr(routed),
+         _ptr(ws.xq), _ptr(ws.xs), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs),
+         _ptr(ws.pair_ok)],
+    )  # fmt: skip
+    slot_bytes = pool.stride(0)
+    units = lay.inter // 32
+    mod.launch(
+        "moet_w13",
+        min(ws.max_jobs * units, 4 * sms),
+        128,
+        [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
+         i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
+         i32(top_k), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs), _ptr(ws.aq),
+         _ptr(ws.as_), i32(lay.inter_p)],
+    )  # fmt: skip
+    groups = lay.w2_rows // 64
+    mod.launch(
+        "moet_w2",
+        min(ws.max_jobs * groups, 4 * sms),
+        128,
+        [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
+         i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
+         _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs), _ptr(ws.y), i32(hidden)],
+    )  # fmt: skip
+    mod.launch(
+        f"moet_combine_{kind}",
+        min(-(-(n_tok * hidden) // 256), 8 * sms),
+        256,
+        [_ptr(ws.y), _ptr(ws.weights), _ptr(ws.pair_ok), i32(n_tok), i32(top_k), i32(hidden),
+         _ptr(out)],
+    )  # fmt: skip
+    return out
+
+
+def _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count,
+                routed):  # fmt: skip
+    if x.dim() != 2 or x.shape[1] != lay.hidden:
+        raise ValueError(f"x must be [T, {lay.hidden}], got {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
+            f"both be [T={x.shape[0]}, k]"
+        )
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < lay.row_bytes:
+        raise ValueError(
+            f"pool must be uint8 [n_slots, >= {lay.row_bytes}] (NativeRowLayout rows), got "
+            f"{pool.dtype} {tuple(pool.shape)}"
+        )
+    if pool.stride(1) != 1:
+        raise ValueError("pool rows must be contiguous")
+    for name, t, dtype in (
+        ("slot_table", slot_table, torch.int32),
+        ("n_real_tokens", n_real_tokens, torch.int32),
+        ("miss_count", miss_count, torch.int32),
+        ("routed", routed, torch.uint8),
+    ):
+        if t.dtype != dtype or not t.is_contiguous():
+            raise TypeError(f"{name} must be a contiguous {dtype} tensor, got {t.dtype}")
+    if routed.shape[0] != slot_table.shape[0]:
+        raise ValueError(f"routed has {routed.shape[0]} experts, slot_table {slot_table.shape[0]}")
+
+
+@torch.library.custom_op("moet::w2_moe_slots", mutates_args=("miss_count", "routed"))
+def w2_moe_slots(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    pool: torch.Tensor,
+    slot_table: torch.Tensor,
+    hidden: int,
+    inter: int,
+    n_real_tokens: torch.Tensor,
+    miss_count: torch.Tensor,
+    routed: torch.Tensor,
+) -> torch.Tensor:
+    """The routed-experts output [T, H] in x's dtype (module docstring)."""
+    global _noted_fallback
+    lay = native_layout(hidden, inter)
+    _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed)
+    if x.is_cuda:
+        ok, why = kernels_available(x.device)
+        if ok:
+            return _gpu(
+                x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed
+            )
+    else:
+        why = "tensors are on the CPU"
+    if not _noted_fallback:
+        log.info("moet-kernels: %s; using the torch reference (exact mode)", why)
+        _noted_fallback = True
+    return w2_moe_slots_reference(
+        x, topk_ids, topk_weights, pool, slot_table, lay, int(n_real_tokens[0]), miss_count,
+        routed,
+    ).to(x.dtype)  # fmt: skip
+
+
+@w2_moe_slots.register_fake
+def _(
+    x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens, miss_count, routed
+):
+    return x.new_empty(x.shape[0], hidden)
+
+
+__all__ = ["native_layout", "w2_moe_slots"]
