@@ -10,10 +10,13 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 bench/kernels.py --out "$out" "$@" 2>&1 | tee "$out/kernels.log"
 status=${PIPESTATUS[0]}
-timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 bench/kernels.py \
-  --sanitize 2>&1 | tail -15 | tee "$out/memcheck.log"
-if [ "${RACECHECK:-0}" = 1 ]; then
-  timeout 240 compute-sanitizer --tool racecheck --error-exitcode 9 python3 bench/kernels.py \
-    --sanitize 2>&1 | tail -15 | tee "$out/racecheck.log"
-fi
+tools=(memcheck)
+[ "${RACECHECK:-0}" = 1 ] && tools+=(racecheck)
+for tool in "${tools[@]}"; do
+  timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 python3 bench/kernels.py \
+    --sanitize >"$out/$tool.log" 2>&1
+  echo "compute-sanitizer $tool: exit $?"
+  grep -E "^========= (Invalid|Program hit|Race|Error|ERROR SUMMARY)|^=========     at " \
+    "$out/$tool.log" | sort | uniq -c | sort -rn | head -12
+done
 exit "$status"

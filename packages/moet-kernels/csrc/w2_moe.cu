@@ -78,55 +78,78 @@ __device__ __forceinline__ int act_pos(int k) {
   return c * KCHUNK + ((kk & 15) >> 2) * 32 + tt * 8 + (kk >> 4) * 4 + (kk & 3);
 }
 
+// One K chunk's operands for one warp: codes and scales of the 4 row tiles, the activation
+// fragments of column g and the activation scales of columns 2*tig and 2*tig+1.
+struct Chunk {
+  uint4 cw[4];
+  uint2 sw[4];
+  uint4 b_lo, b_hi;
+  float4 x0, x1;
+};
+
+__device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const uint8_t* scales,
+                                           int c, const int8_t* act_g, const float* as0,
+                                           const float* as1, int lane) {
+  const int g = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt) {
+    k.cw[rt] = ld_stream16(codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
+    k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
+  }
+  k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
+  if (act_g) {
+    const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
+    k.b_lo = p[0];
+    k.b_hi = p[1];
+  }
+  k.x0 = k.x1 = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (as0) k.x0 = reinterpret_cast<const float4*>(as0)[c];
+  if (as1) k.x1 = reinterpret_cast<const float4*>(as1)[c];
+}
+
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k) {
+#pragma unroll
+  for (int tt = 0; tt < 4; ++tt) {
+    const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
+    const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
+    const float s0 = f4_of(k.x0, tt), s1 = f4_of(k.x1, tt);
+#pragma unroll
+    for (int rt = 0; rt < 4; ++rt) {
+      const uint32_t w = word_of(k.cw[rt], tt);
+      const uint32_t a0 = __byte_perm(LEVELS, 0, w & 0x3333u);
+      const uint32_t a1 = __byte_perm(LEVELS, 0, (w >> 2) & 0x3333u);
+      const uint32_t a2 = __byte_perm(LEVELS, 0, (w >> 16) & 0x3333u);
+      const uint32_t a3 = __byte_perm(LEVELS, 0, (w >> 18) & 0x3333u);
+      int d[4];
+      mma_s8(d, a0, a1, a2, a3, b0, b1);
+      const float wg = ue8m0(k.sw[rt].x, tt), wg8 = ue8m0(k.sw[rt].y, tt);
+      f[rt][0] = fmaf((float)d[0], wg * s0, f[rt][0]);
+      f[rt][1] = fmaf((float)d[1], wg * s1, f[rt][1]);
+      f[rt][2] = fmaf((float)d[2], wg8 * s0, f[rt][2]);
+      f[rt][3] = fmaf((float)d[3], wg8 * s1, f[rt][3]);
+    }
+  }
+}
+
 // One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
 // activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
+// The next chunk's loads are issued before the current chunk's math (two chunks in flight).
 __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, const uint8_t* scales,
                                        int nchunks, const int8_t* act_g, const float* as0,
                                        const float* as1, int warp, int lane) {
-  const int g = lane >> 2, tig = lane & 3;
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
-#pragma unroll 2
+  if (warp >= nchunks) return;
+  Chunk cur, nxt;
+  load_chunk(cur, codes, scales, warp, act_g, as0, as1, lane);
+#pragma unroll 1
   for (int c = warp; c < nchunks; c += WARPS) {
-    uint4 cw[4];
-    uint2 sw[4];
-#pragma unroll
-    for (int rt = 0; rt < 4; ++rt) {
-      cw[rt] = ld_stream16(codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
-      sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
-    }
-    uint4 b_lo = make_uint4(0, 0, 0, 0), b_hi = make_uint4(0, 0, 0, 0);
-    if (act_g) {
-      const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
-      b_lo = p[0];
-      b_hi = p[1];
-    }
-    float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
-    if (as0) x0 = reinterpret_cast<const float4*>(as0)[c];
-    if (as1) x1 = reinterpret_cast<const float4*>(as1)[c];
-#pragma unroll
-    for (int tt = 0; tt < 4; ++tt) {
-      const uint32_t b0 = word_of(tt < 2 ? b_lo : b_hi, (tt & 1) * 2);
-      const uint32_t b1 = word_of(tt < 2 ? b_lo : b_hi, (tt & 1) * 2 + 1);
-      const float s0 = f4_of(x0, tt), s1 = f4_of(x1, tt);
-#pragma unroll
-      for (int rt = 0; rt < 4; ++rt) {
-        const uint32_t w = word_of(cw[rt], tt);
-        const uint32_t a0 = __byte_perm(LEVELS, 0, w & 0x3333u);
-        const uint32_t a1 = __byte_perm(LEVELS, 0, (w >> 2) & 0x3333u);
-        const uint32_t a2 = __byte_perm(LEVELS, 0, (w >> 16) & 0x3333u);
-        const uint32_t a3 = __byte_perm(LEVELS, 0, (w >> 18) & 0x3333u);
-        int d[4];
-        mma_s8(d, a0, a1, a2, a3, b0, b1);
-        const float wg = ue8m0(sw[rt].x, tt), wg8 = ue8m0(sw[rt].y, tt);
-        f[rt][0] = fmaf((float)d[0], wg * s0, f[rt][0]);
-        f[rt][1] = fmaf((float)d[1], wg * s1, f[rt][1]);
-        f[rt][2] = fmaf((float)d[2], wg8 * s0, f[rt][2]);
-        f[rt][3] = fmaf((float)d[3], wg8 * s1, f[rt][3]);
-      }
-    }
+    const bool more = c + WARPS < nchunks;
+    if (more) load_chunk(nxt, codes, scales, c + WARPS, act_g, as0, as1, lane);
+    mma_chunk(f, cur);
+    if (more) cur = nxt;
   }
 }
 
@@ -205,37 +228,45 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
   const int tid = threadIdx.x;
   if (blockIdx.x == 0) {
     __shared__ int s_ids[ID_TILE];
-    __shared__ int s_cnt[MAX_EXPERTS];
-    __shared__ int s_base[MAX_EXPERTS];
+    __shared__ int s_slot[MAX_EXPERTS];
     __shared__ int warp_sums[ROUTE_THREADS / 32];
     __shared__ int s_total;
+    constexpr int PER = MAX_EXPERTS / ROUTE_THREADS;  // experts owned by each thread
     const int n_pairs = n_tok * top_k;
-    const int per = (n_experts + ROUTE_THREADS - 1) / ROUTE_THREADS;
-    const int e0 = tid * per, e1 = min(n_experts, e0 + per);
-    for (int e = e0; e < e1; ++e) s_cnt[e] = 0;
+    const int e0 = tid * PER;
+    for (int e = tid; e < n_experts; e += ROUTE_THREADS) s_slot[e] = slot_table[e];
+    int cnt[PER];
+#pragma unroll
+    for (int q = 0; q < PER; ++q) cnt[q] = 0;
     for (int base = 0; base < n_pairs; base += ID_TILE) {  // pass 1: count my experts' pairs
       const int n = min(ID_TILE, n_pairs - base);
       __syncthreads();
       for (int i = tid; i < n; i += ROUTE_THREADS) s_ids[i] = ids[base + i];
       __syncthreads();
+#pragma unroll 8
       for (int i = 0; i < n; ++i) {
-        const int e = s_ids[i];
-        if (e >= e0 && e < e1) ++s_cnt[e];
+        const int d = s_ids[i] - e0;
+#pragma unroll
+        for (int q = 0; q < PER; ++q) cnt[q] += d == q;
       }
     }
+    __syncthreads();  // s_slot is complete
     int my_jobs = 0;
-    for (int e = e0; e < e1; ++e)
-      if (slot_table[e] >= 0) my_jobs += (s_cnt[e] + TOK - 1) / TOK;
+#pragma unroll
+    for (int q = 0; q < PER; ++q)
+      if (e0 + q < n_experts && s_slot[e0 + q] >= 0) my_jobs += (cnt[q] + TOK - 1) / TOK;
     int job = block_exclusive_scan(my_jobs, &s_total, warp_sums);
-    for (int e = e0; e < e1; ++e) {
-      s_base[e] = job;
-      const int slot = slot_table[e];
-      const int nj = slot >= 0 ? (s_cnt[e] + TOK - 1) / TOK : 0;
+    int first_job[PER];
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      first_job[q] = job;
+      const int e = e0 + q;
+      const int nj = e < n_experts && s_slot[e] >= 0 ? (cnt[q] + TOK - 1) / TOK : 0;
       for (int j = 0; j < nj; ++j, ++job) {
-        job_slot[job] = slot;
+        job_slot[job] = s_slot[e];
         for (int i = 0; i < TOK; ++i) job_pairs[job * TOK + i] = -1;
       }
-      s_cnt[e] = 0;  // reused as the fill count of pass 2
+      cnt[q] = e < n_experts && s_slot[e] >= 0 ? 0 : -1;  // fill count of pass 2; -1: no jobs
     }
     if (tid == 0) *n_jobs = s_total;
     for (int base = 0; base < n_pairs; base += ID_TILE) {  // pass 2: place pairs in order
@@ -243,12 +274,15 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
       __syncthreads();
       for (int i = tid; i < n; i += ROUTE_THREADS) s_ids[i] = ids[base + i];
       __syncthreads();
+#pragma unroll 4
       for (int i = 0; i < n; ++i) {
-        const int e = s_ids[i];
-        if (e >= e0 && e < e1 && slot_table[e] >= 0) {
-          const int j = s_cnt[e]++;
-          job_pairs[(s_base[e] + j / TOK) * TOK + j % TOK] = base + i;
-        }
+        const int d = s_ids[i] - e0;
+#pragma unroll
+        for (int q = 0; q < PER; ++q)
+          if (d == q && cnt[q] >= 0) {
+            const int j = cnt[q]++;
+            job_pairs[(first_job[q] + j / TOK) * TOK + j % TOK] = base + i;
+          }
       }
     }
     const int real = min(*n_real, n_tok) * top_k;
@@ -256,7 +290,7 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     for (int p = tid; p < n_pairs; p += ROUTE_THREADS) {
       const int e = ids[p];
       const bool valid = e >= 0 && e < n_experts;
-      const bool ok = valid && slot_table[e] >= 0;
+      const bool ok = valid && s_slot[e] >= 0;
       pair_ok[p] = ok;
       if (p < real && valid) {
         routed[e] = 1;
