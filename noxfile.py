@@ -17,7 +17,7 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-nox.options.sessions = ["lint", "versions", "recipes", "tests"]
+nox.options.sessions = ["lint", "versions", "recipes", "sass", "tests"]
 nox.options.error_on_missing_interpreters = True
 
 # short name -> distribution folder under packages/
@@ -87,6 +87,33 @@ def recipes(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def sass(session: nox.Session) -> None:
+    """Rebuild moet-kernels' cubins from source in a scratch build dir and audit their SASS
+    against sass/ (packages/moet-kernels/tools/sass_audit.py, docs/kernels.md): fails on drift
+    from the committed listings and manifests, spills or stack, emulated FP8 MMA on sm_90a and
+    ptxas "wgmma ... serialized" notes. `nox -s sass -- --update` rewrites sass/. Needs nvcc."""
+    build = ROOT / "build" / "kernels-sass"
+    shutil.rmtree(build, ignore_errors=True)
+    kernels = _pkg_dir("kernels")
+    session.run("cmake", "-S", str(kernels), "-B", str(build), "-G", "Ninja", external=True)
+    session.run("cmake", "--build", str(build), external=True)
+    session.run(
+        "python",
+        str(kernels / "tools" / "sass_audit.py"),
+        "--cubins",
+        str(build / "cubins"),
+        "--sass-dir",
+        str(ROOT / "sass"),
+        *session.posargs,
+    )
+
+
+def _expected_cubins() -> list[str]:
+    """The cubins a wheel must ship: one per committed SASS listing (sass/<name>.<arch>.sass)."""
+    return sorted(p.name.removesuffix(".sass") + ".cubin" for p in (ROOT / "sass").glob("*.sass"))
+
+
+@nox.session(python=False)
 def wheels(session: nox.Session) -> None:
     """Build every wheel into dist/; native wheels are repaired to a manylinux tag by auditwheel."""
     dist = ROOT / "dist"
@@ -110,6 +137,9 @@ def wheels(session: nox.Session) -> None:
     bad = [w for w in glob.glob(str(dist / "*.whl")) if "linux_x86_64" in w]
     if bad:
         session.error(f"unrepaired native wheels in dist/: {bad}")
+    # cubins are package data, not Python-ABI specific: moet-kernels is py3-none-any
+    if not glob.glob(str(dist / "moet_kernels-*-py3-none-any.whl")):
+        session.error("dist/ holds no py3-none-any moet-kernels wheel")
 
 
 @nox.session(python=False)
@@ -130,14 +160,26 @@ def install(session: nox.Session) -> None:
             "moet_kernels.__version__, moet_vllm.__version__)"
         )
         session.run(py, "-c", code, external=True, env={"PYTHONNOUSERSITE": "1"})
+        # the kernels wheel ships one cubin per committed SASS listing (nvcc at wheel build)
+        expected = _expected_cubins()
+        if not expected:
+            session.error("sass/ holds no listings: no cubins to expect (run `nox -s sass`)")
+        code = (
+            "from moet_kernels.loader import shipped_cubins; s = shipped_cubins(); "
+            f"want = {expected!r}; "
+            "assert s == want, f'the moet-kernels wheel ships {s}, not {want}'; "
+            "print('cubins', *s)"
+        )
+        session.run(py, "-c", code, external=True, env={"PYTHONNOUSERSITE": "1"})
         session.run(str(venv / "bin" / "moet"), "--help", external=True, silent=True)
         session.run(str(venv / "bin" / "moet-quant"), "--help", external=True, silent=True)
 
 
 @nox.session(python=False)
 def ci(session: nox.Session) -> None:
-    """Everything CI runs, in order: lint, versions, recipes, every test suite, wheels, install."""
-    for name in ["lint", "versions", "recipes"]:
+    """Everything CI runs, in order: lint, versions, recipes, sass, every test suite, wheels,
+    install."""
+    for name in ["lint", "versions", "recipes", "sass"]:
         session.notify(name)
     for short in PACKAGES:
         session.notify(f"tests({short})")

@@ -12,8 +12,9 @@ Every ``packages/<dir>/`` must have ``recipe/recipe.yaml`` in rattler-build's v1
 * no optional-dependency extra (``[gpu]``, ``[test]``, ...) is a run requirement, unless it is
   also a base dependency (``run_constraints`` may name them);
 * the ``tests`` import the package's import name (the meta-package: every component's);
-* pure-Python packages are ``noarch: python`` and native ones are not; every console script of
-  the pyproject is in ``build.python.entry_points``;
+* pure-Python packages are ``noarch: python`` and native ones are not (a scikit-build-core
+  package with ``wheel.platlib = false`` builds a py3-none-any wheel: not native); every
+  console script of the pyproject is in ``build.python.entry_points``;
 * ``about.license`` equals the pyproject's license.
 
 Prints one line per problem (naming the file) and exits 1, or a summary table and exits 0.
@@ -118,6 +119,16 @@ def string_list(value: object, where: str) -> list[str]:
     return value
 
 
+def builds_native(pyproject: dict) -> bool:
+    """Whether a package's wheel holds native code: a scikit-build-core build, unless it targets
+    the purelib (`wheel.platlib = false`: py3-none-any, e.g. moet-kernels' cubins as data)."""
+    backend = pyproject.get("build-system", {}).get("build-backend", "")
+    if backend not in NATIVE_BACKENDS:
+        return False
+    wheel = pyproject.get("tool", {}).get("scikit-build", {}).get("wheel", {})
+    return wheel.get("platlib", True) is not False
+
+
 def check(folder: Path, root: Path) -> tuple[list[str], list[str]]:
     """Returns (errors, table row) for one package folder."""
     pyproject = folder / "pyproject.toml"
@@ -170,7 +181,7 @@ def check(folder: Path, root: Path) -> tuple[list[str], list[str]]:
     # build kind and entry points
     build = doc.get("build") or {}
     backend = data.get("build-system", {}).get("build-backend", "")
-    native = backend in NATIVE_BACKENDS
+    native = builds_native(data)
     noarch = build.get("noarch")
     if native and noarch:
         errors.append(f"{rel}: {name} builds native code ({backend}); it cannot be noarch")
