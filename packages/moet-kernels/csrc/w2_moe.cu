@@ -29,6 +29,13 @@ constexpr int CODE_CHUNK = 2048;  // code bytes per (64-row group, K chunk)
 constexpr int SCALE_CHUNK = 256;  // scale bytes per (64-row group, K chunk)
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
+// CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
+// sm_90a; the other targets' compilers need more registers (no spills at 3).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define W13_BLOCKS 4
+#else
+#define W13_BLOCKS 3
+#endif
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ID_TILE = 2048;
 
@@ -54,13 +61,22 @@ __device__ __forceinline__ float ue8m0(uint32_t w, int i) {
   return __uint_as_float(((w >> (8 * i)) & 0xFFu) << 23);
 }
 
-__device__ __forceinline__ void mma_s8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+// The int32 sums start from the bits of 1.5 * 2^23 (MAGIC): |sum| <= 32 * 4 * 127 < 2^22, so the
+// result's bits read as a float are exactly 1.5 * 2^23 + sum, and one FADD recovers the sum.
+// That keeps the int -> float conversion off the slow conversion pipe (I2F).
+constexpr uint32_t MAGIC_BITS = 0x4B400000u;
+constexpr float MAGIC = 12582912.f;
+
+__device__ __forceinline__ void mma_s8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  uint32_t r[4];
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%10,%10,%10,%10};"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(MAGIC_BITS));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(r[i]) - MAGIC;
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
@@ -120,13 +136,13 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k) {
       const uint32_t a1 = __byte_perm(LEVELS, 0, (w >> 2) & 0x3333u);
       const uint32_t a2 = __byte_perm(LEVELS, 0, (w >> 16) & 0x3333u);
       const uint32_t a3 = __byte_perm(LEVELS, 0, (w >> 18) & 0x3333u);
-      int d[4];
+      float d[4];
       mma_s8(d, a0, a1, a2, a3, b0, b1);
       const float wg = ue8m0(k.sw[rt].x, tt), wg8 = ue8m0(k.sw[rt].y, tt);
-      f[rt][0] = fmaf((float)d[0], wg * s0, f[rt][0]);
-      f[rt][1] = fmaf((float)d[1], wg * s1, f[rt][1]);
-      f[rt][2] = fmaf((float)d[2], wg8 * s0, f[rt][2]);
-      f[rt][3] = fmaf((float)d[3], wg8 * s1, f[rt][3]);
+      f[rt][0] = fmaf(d[0], wg * s0, f[rt][0]);
+      f[rt][1] = fmaf(d[1], wg * s1, f[rt][1]);
+      f[rt][2] = fmaf(d[2], wg8 * s0, f[rt][2]);
+      f[rt][3] = fmaf(d[3], wg8 * s1, f[rt][3]);
     }
   }
 }
@@ -142,14 +158,15 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, c
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
-  Chunk cur, nxt;
-  load_chunk(cur, codes, scales, warp, act_g, as0, as1, lane);
+  Chunk a, b;  // ping-pong: no register copies between iterations
+  load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
-  for (int c = warp; c < nchunks; c += WARPS) {
-    const bool more = c + WARPS < nchunks;
-    if (more) load_chunk(nxt, codes, scales, c + WARPS, act_g, as0, as1, lane);
-    mma_chunk(f, cur);
-    if (more) cur = nxt;
+  for (int c = warp; c < nchunks; c += 2 * WARPS) {
+    if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
+    mma_chunk(f, a);
+    if (c + WARPS >= nchunks) break;
+    if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
+    mma_chunk(f, b);
   }
 }
 
@@ -358,7 +375,7 @@ MOET_ROUTE(moet_route_f32, float)
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up, re-quantized per 32 to the permuted int8 layout of the down projection's input.
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     moet_w13(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
              int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p,
              int top_k, const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq,
@@ -421,7 +438,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, 3)
     moet_w2(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
             int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
             const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {
