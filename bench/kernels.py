@@ -63,7 +63,8 @@ def build_cubin() -> None:
     arch = {(9, 0): "90a", (10, 0): "100a", (12, 0): "120a"}[(major, minor)]
     src = ROOT / "packages" / "moet-kernels" / "csrc" / "w2_moe.cu"
     cmd = ["nvcc", "-cubin", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas",
-           "-v", "-o", str(out / f"w2_moe.sm_{arch}.cubin"), str(src)]  # fmt: skip
+           "-v", *os.environ.get("MOET_NVCC_FLAGS", "").split(), "-o",
+           str(out / f"w2_moe.sm_{arch}.cubin"), str(src)]  # fmt: skip
     t0 = time.time()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:

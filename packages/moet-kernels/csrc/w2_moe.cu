@@ -31,10 +31,17 @@ constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
 // CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
 // sm_90a; the other targets' compilers need more registers (no spills at 3).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#if defined(MOET_W13_BLOCKS)
+#define W13_BLOCKS MOET_W13_BLOCKS
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define W13_BLOCKS 4
 #else
 #define W13_BLOCKS 3
+#endif
+#ifndef MOET_W2_BLOCKS
+#define W2_BLOCKS 3
+#else
+#define W2_BLOCKS MOET_W2_BLOCKS
 #endif
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ID_TILE = 2048;
@@ -158,6 +165,14 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, c
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
+#ifdef MOET_SINGLE_BUFFER
+  Chunk a;
+#pragma unroll 1
+  for (int c = warp; c < nchunks; c += WARPS) {
+    load_chunk(a, codes, scales, c, act_g, as0, as1, lane);
+    mma_chunk(f, a);
+  }
+#else
   Chunk a, b;  // ping-pong: no register copies between iterations
   load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
@@ -168,6 +183,7 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, c
     if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
     mma_chunk(f, b);
   }
+#endif
 }
 
 // Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
@@ -438,7 +454,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-extern "C" __global__ void __launch_bounds__(THREADS, 3)
+extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     moet_w2(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
             int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
             const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {

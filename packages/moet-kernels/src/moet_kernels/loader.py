@@ -139,6 +139,17 @@ class Module:
             )
         return self._functions[name]
 
+    def blocks_per_sm(self, name: str, block: int) -> int:
+        """How many CTAs of `block` threads of kernel `name` fit on one SM (persistent grids)."""
+        from cuda.bindings import driver
+
+        return int(
+            _check(
+                driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function(name), block, 0),
+                f"occupancy of {name}",
+            )
+        )
+
     def launch(self, name: str, grid: int, block: int, args: list) -> None:
         """Launch kernel `name` with a 1-D grid on torch's current stream. `args` are ctypes
         values in the kernel's parameter order."""

@@ -127,7 +127,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     units = lay.inter // 32
     mod.launch(
         "moet_w13",
-        min(ws.max_jobs * units, 4 * sms),
+        min(ws.max_jobs * units, mod.blocks_per_sm("moet_w13", 128) * sms),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
@@ -137,7 +137,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     groups = lay.w2_rows // 64
     mod.launch(
         "moet_w2",
-        min(ws.max_jobs * groups, 4 * sms),
+        min(ws.max_jobs * groups, mod.blocks_per_sm("moet_w2", 128) * sms),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
          i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),

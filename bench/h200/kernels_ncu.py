@@ -1,0 +1,22 @@
+"""One GLM-5.2 MoE layer at a decode batch, for Nsight Compute (bench/h200/kernels.sh NCU=1)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # bench/kernels.py  # noqa: E402
+import torch  # noqa: E402
+
+n_tok = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+kb.build_cubin()
+gen = torch.Generator(device="cuda").manual_seed(0)
+h, i, e, k = kb.SHAPES["glm-5.2"]
+layer = kb.Layer(h, i, e, gen, keep_logical=False)
+ids, w = kb.routing(n_tok, e, k, gen)
+x = torch.randn(n_tok, h, device="cuda", generator=gen).to(torch.bfloat16)
+nr = torch.tensor([n_tok], dtype=torch.int32, device="cuda")
+miss = torch.zeros(1, dtype=torch.int32, device="cuda")
+routed = torch.zeros(e, dtype=torch.uint8, device="cuda")
+for _ in range(3):
+    kb.run_op(layer, x, ids, w, nr, miss, routed)
+torch.cuda.synchronize()
