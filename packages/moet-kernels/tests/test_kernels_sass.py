@@ -2,7 +2,7 @@
 
 Planted kernels (tests/data/sass/) are built with the same CMake function as the shipped cubins
 (cmake/MoetCubins.cmake): a spilling kernel, one with a local-memory stack frame, an e4m3
-`mma.sync` (emulated on sm_90a) and a clean one. Synthetic SASS and ptxas logs cover the FP8
+`mma.sync` (emulated on sm_90a), a `wgmma` loop ptxas serializes and a clean one. Synthetic SASS and ptxas logs cover the FP8
 check's edges and the "wgmma serialized" note; a modified listing must show up as drift. The
 package's build without nvcc must still succeed, with no cubins.
 
@@ -219,10 +219,21 @@ ptxas info    : Compile time = 16.059 ms
 """
 
 
+def test_serialized_wgmma_kernel_fails(audits: dict) -> None:
+    a = audits["wgmma.sm_90a"]
+    assert len(a.problems) >= 1
+    assert all("wgmma.mma_async instructions are serialized" in p for p in a.problems)
+    assert "wgmma_loop" in a.problems[0]
+    assert any("(C7519)" in n for n in a.notes)  # advisories are printed, not failed
+    assert a.manifest["functions"]["wgmma_loop"]["opcodes"].get("HGMMA", 0) >= 1
+
+
 def test_wgmma_serialized_note_fails() -> None:
     problems = sa.check_wgmma_serialized("t.sm_90a", SYNTH_LOG)
     assert len(problems) == 1 and "wgmma.mma_async instructions are serialized" in problems[0]
     assert sa.check_wgmma_serialized("t.sm_90a", SYNTH_LOG.replace("serialized", "fine")) == []
+    named = "ptxas info    : Compiling entry function 'wgmma_serialized' for 'sm_90a'\n"
+    assert sa.check_wgmma_serialized("t.sm_90a", named) == []
 
 
 def test_parse_ptxas_log() -> None:
@@ -303,6 +314,7 @@ def test_main_exit_codes(planted: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert sa.main(["--cubins", str(planted), "--sass-dir", str(committed), "--update"]) == 1
     err = capsys.readouterr().err
     assert "spill_many_live" in err and "stack_local_array" in err and "emulated FP8" in err
+    assert "wgmma.mma_async instructions are serialized" in err
     assert (committed / "spill.sm_90a.sass").exists()
     # a folder without any index: a tool error, not a pass
     assert sa.main(["--cubins", str(tmp_path / "nothing"), "--sass-dir", str(committed)]) == 2

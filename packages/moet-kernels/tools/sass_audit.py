@@ -178,8 +178,11 @@ _FRAME = re.compile(
 )
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _USED = re.compile(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?")
-_WGMMA_SERIALIZED = re.compile(r"wgmma.*serializ", re.I)
-_NOTE = re.compile(r"warning|Performance Loss", re.I)
+# "(C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to ..."
+# (\b: a function merely named like "wgmma_serialized" does not match)
+_WGMMA_SERIALIZED = re.compile(r"\bwgmma\b.*\bserialized\b", re.I)
+# warnings and ptxas's C75xx performance advisories (injected warpgroup.wait/arrive, ...)
+_NOTE = re.compile(r"warning|Performance Loss|\(C75\d\d\)", re.I)
 
 
 def parse_ptxas_log(text: str) -> dict[str, dict[str, int]]:
