@@ -30,19 +30,14 @@ constexpr int SCALE_CHUNK = 256;  // scale bytes per (64-row group, K chunk)
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
 // CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
-// sm_90a; the other targets' compilers need more registers (no spills at 3).
-#if defined(MOET_W13_BLOCKS)
-#define W13_BLOCKS MOET_W13_BLOCKS
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+// sm_90a; the other targets, and w2 everywhere, need more registers (no spills at 3). Measured on
+// the H200: single-buffered chunks at 4 or 5 CTAs per SM were no faster (bench/results/kernels).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
 #define W13_BLOCKS 4
 #else
 #define W13_BLOCKS 3
 #endif
-#ifndef MOET_W2_BLOCKS
 #define W2_BLOCKS 3
-#else
-#define W2_BLOCKS MOET_W2_BLOCKS
-#endif
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ID_TILE = 2048;
 
@@ -165,14 +160,6 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, c
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
-#ifdef MOET_SINGLE_BUFFER
-  Chunk a;
-#pragma unroll 1
-  for (int c = warp; c < nchunks; c += WARPS) {
-    load_chunk(a, codes, scales, c, act_g, as0, as1, lane);
-    mma_chunk(f, a);
-  }
-#else
   Chunk a, b;  // ping-pong: no register copies between iterations
   load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
@@ -183,7 +170,6 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, c
     if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
     mma_chunk(f, b);
   }
-#endif
 }
 
 // Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
