@@ -85,7 +85,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "commit": os.environ.get("MOET_COMMIT", "unknown"),
-        "command": " ".join(sys.argv),
+        "command": os.environ.get("MOET_COMMAND", "python " + " ".join(sys.argv)),
         "date": datetime.date.today().isoformat(),
     }
 
