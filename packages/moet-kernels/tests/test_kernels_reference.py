@@ -129,7 +129,8 @@ def test_moe_reference_modes_and_validation() -> None:
     w13 = (torch.zeros(1, 64, 8, dtype=torch.uint8), torch.full((1, 64, 1), 127, dtype=torch.uint8))
     w2 = (torch.zeros(1, 32, 8, dtype=torch.uint8), torch.full((1, 32, 1), 127, dtype=torch.uint8))
     assert w2_moe_reference(x, ids, w, w13, w2).abs().max() == 0
-    with pytest.raises(NotImplementedError, match="kernel"):
-        w2_moe_reference(x, ids, w, w13, w2, mode="kernel")
+    assert w2_moe_reference(x, ids, w, w13, w2, mode="kernel").abs().max() == 0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        w2_moe_reference(x, ids, w, w13, w2, mode="fast")
     with pytest.raises(ValueError, match="topk_ids"):
         w2_moe_reference(x, ids + 1, w, w13, w2)
