@@ -60,6 +60,8 @@ __device__ __forceinline__ uint2 ld_stream8(const uint8_t* p) {
 // UE8M0 byte i of a word -> 2^(b-127) as float32. b = 0 (2^-127) reads as 0; the packer refuses
 // b = 255 (NaN), so neither special case costs an instruction here.
 __device__ __forceinline__ float ue8m0(uint32_t w, int i) {
+  // byte 0: one shift, the next byte's low bit lands in the sign and fabsf (free on the FMUL) drops it
+  if (i == 0) return fabsf(__uint_as_float(w << 23));
   return __uint_as_float(((w >> (8 * i)) & 0xFFu) << 23);
 }
 
@@ -133,11 +135,14 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k) {
     const float s0 = f4_of(k.x0, tt), s1 = f4_of(k.x1, tt);
 #pragma unroll
     for (int rt = 0; rt < 4; ++rt) {
+      // A PRMT selector nibble's bit 2 picks the second source (LEVELS again: don't care), bit 3
+      // must be clear: 5 integer ops prepare the 4 selectors of 16 codes.
       const uint32_t w = word_of(k.cw[rt], tt);
-      const uint32_t a0 = __byte_perm(LEVELS, 0, w & 0x3333u);
-      const uint32_t a1 = __byte_perm(LEVELS, 0, (w >> 2) & 0x3333u);
-      const uint32_t a2 = __byte_perm(LEVELS, 0, (w >> 16) & 0x3333u);
-      const uint32_t a3 = __byte_perm(LEVELS, 0, (w >> 18) & 0x3333u);
+      const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
+      const uint32_t a0 = __byte_perm(LEVELS, LEVELS, lo);
+      const uint32_t a1 = __byte_perm(LEVELS, LEVELS, hi);
+      const uint32_t a2 = __byte_perm(LEVELS, LEVELS, lo >> 16);
+      const uint32_t a3 = __byte_perm(LEVELS, LEVELS, hi >> 16);
       float d[4];
       mma_s8(d, a0, a1, a2, a3, b0, b1);
       const float wg = ue8m0(k.sw[rt].x, tt), wg8 = ue8m0(k.sw[rt].y, tt);
