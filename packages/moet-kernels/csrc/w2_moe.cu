@@ -29,9 +29,14 @@ constexpr int CODE_CHUNK = 2048;  // code bytes per (64-row group, K chunk)
 constexpr int SCALE_CHUNK = 256;  // scale bytes per (64-row group, K chunk)
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
-// CTAs per SM the register budget is sized for: at 3 (168 registers) nothing spills on any
-// target. Measured on the H200: 4 or 5 CTAs per SM (128 or 96 registers) were no faster.
+// CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
+// sm_90a; the other targets, and w2 everywhere, need more registers (no spills at 3). Measured on
+// the H200: single-buffered chunks at 4 or 5 CTAs per SM were no faster (bench/results/kernels).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
+#define W13_BLOCKS 4
+#else
 #define W13_BLOCKS 3
+#endif
 #define W2_BLOCKS 3
 constexpr int MAX_EXPERTS = 1024;
 constexpr int ID_TILE = 2048;
@@ -382,12 +387,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
              int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p,
              int top_k, const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq,
              float* as, int inter_p) {
-  // Two reduction buffers, alternating per item: warps 1-3 start the next item while warp 0
-  // finishes this one (its barrier orders the reuse two items later).
-  __shared__ float red[2][WARPS][16][32];
+  __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
-  for (int item = blockIdx.x, parity = 0; item < work; item += gridDim.x, parity ^= 1) {
+  for (int item = blockIdx.x; item < work; item += gridDim.x) {
     const int job = item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
@@ -399,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     gemm64(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
            row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
-    reduce_warps(f, red[parity], warp, lane);
+    reduce_warps(f, red, warp, lane);
     if (warp == 0) {
       // act[q][col]: q -> intermediate row g, g+8, 16+g, 24+g of this unit; col 2tig, 2tig+1
       float act[4][2];
@@ -437,6 +440,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
         }
       }
     }
+    __syncthreads();  // red is reused by the next item
   }
 }
 
@@ -445,12 +449,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     moet_w2(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
             int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
             const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {
-  // Two reduction buffers, alternating per item: warps 1-3 start the next item while warp 0
-  // finishes this one (its barrier orders the reuse two items later).
-  __shared__ float red[2][WARPS][16][32];
+  __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_groups;
-  for (int item = blockIdx.x, parity = 0; item < work; item += gridDim.x, parity ^= 1) {
+  for (int item = blockIdx.x; item < work; item += gridDim.x) {
     const int job = item / n_groups, rg = item % n_groups;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
@@ -462,7 +464,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     gemm64(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
            row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
-    reduce_warps(f, red[parity], warp, lane);
+    reduce_warps(f, red, warp, lane);
     if (warp == 0) {
 #pragma unroll
       for (int rt = 0; rt < 4; ++rt)
@@ -473,6 +475,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
           if (pair >= 0 && n < hidden) y[(size_t)pair * hidden + n] = f[rt][j];
         }
     }
+    __syncthreads();
   }
 }
 
