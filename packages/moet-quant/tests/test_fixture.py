@@ -182,3 +182,130 @@ def test_traces_and_coverage(tmp_path):
     assert meta == sidecar
     with pytest.raises(ValueError):
         traces.write_trace(tmp_path / "bad.npy", routes.astype(np.int64), sidecar)
+
+
+def test_an_mtp_layer_would_not_fit_the_budget():
+    """The decision the card states (no MTP layer), with the numbers it states: the committed
+    weights fit the 8 MB budget, the same weights with vLLM's Glm4MoeMTP layer do not."""
+    from tiny_models import MTP_EXTRA
+
+    # the MTP tensors sized are the ones vLLM's Glm4MoeMTP loads (tiny_models also stores a head)
+    assert set(MTP_EXTRA) == {*fixture.MTP_EXTRA, "shared_head.head.weight"}
+    b = fixture.mtp_budget(MODEL / "model.safetensors")
+    assert b["bytes"] == (MODEL / "model.safetensors").stat().st_size <= b["budget_bytes"]
+    assert b["budget_bytes"] < b["with_mtp_shared_head"] < b["with_mtp_own_head"]
+    assert 0 < b["experts_that_fit_with_mtp"] < fixture.CONFIG["n_routed_experts"]
+    card = (MODEL / "README.md").read_text()
+    for key in ("bytes", "with_mtp_shared_head", "with_mtp_own_head"):
+        assert f"{b[key]:,}" in card, key
+    assert f"at most {b['experts_that_fit_with_mtp']}\nrouted experts" in card
+
+
+def test_provenance_records_what_it_finds_and_says_what_it_cannot(tmp_path, monkeypatch):
+    import subprocess
+
+    import provenance
+
+    cmd = [sys.executable, str(FIXTURE / "h200_train.py"), str(tmp_path / "data"), "out dir"]
+    p = provenance.provenance(cmd)
+    assert p["command"] == "python3 bench/fixture/h200_train.py <data> 'out dir'"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode == 0:
+        assert (p["commit"], p["from"]) == (head.stdout.strip(), "git")
+        assert isinstance(p["dirty"], bool)
+    assert p["torch"] == torch.__version__
+    for key in ("gpu", "driver", "cuda", "transformers", "python", "cpus"):
+        assert p[key], key
+
+    # on the device machine: no .git, so MOET_COMMIT or "not recorded"; nvidia-smi's answer parsed
+    def fake_run(cmd):
+        if cmd[0] == "nvidia-smi":
+            return "NVIDIA H200, 570.00.01"
+        return None
+
+    monkeypatch.setattr(provenance, "_run", fake_run)
+    monkeypatch.setattr(provenance.shutil, "which", lambda name: "/bin/" + name)
+    monkeypatch.delenv("MOET_COMMIT", raising=False)
+    p = provenance.provenance(["bash", "bench/fixture/h200_eval.sh"])
+    assert (p["gpu"], p["driver"]) == ("NVIDIA H200", "570.00.01")
+    assert (p["commit"], p["dirty"], p["from"]) == ("not recorded",) * 3
+    assert p["command"] == "bash bench/fixture/h200_eval.sh"
+    monkeypatch.setenv("MOET_COMMIT", "0123abc")
+    assert provenance.commit() == {
+        "commit": "0123abc",
+        "dirty": "not recorded",
+        "from": "MOET_COMMIT",
+    }
+
+
+def test_h200_summary_states_what_is_known_and_not_recorded():
+    summary = json.loads((FIXTURE / "results" / "h200_train_summary.json").read_text())
+    prov = summary["provenance"]
+    start = json.loads((FIXTURE / "results" / "train_log_A.jsonl").read_text().splitlines()[0])
+    assert (prov["gpu"], prov["torch"], prov["transformers"]) == (
+        start["device"],
+        start["torch"],
+        start["transformers"],
+    )
+    for key in ("driver", "commit", "command", "budget_s"):
+        assert prov[key] == "not recorded", key  # that run did not record them: not guessed
+    assert summary["steps"] == start["steps"]
+
+
+def test_the_fixtures_exports_round_trip(tmp_path, loaded):
+    """The fixture's exported flavours, made by the scripts that make them and read back by moet's
+    readers: `bench/fixture/quality.py --make-exports` (real nvidia-modelopt:
+    FP8_2D_BLOCKWISE_WEIGHT_ONLY and NVFP4_EXPERTS_ONLY) holds every routed expert projection of
+    the 3 MoE layers x 64 experts in its format, within that format's error of the bf16 weights,
+    NVFP4 touching nothing but the experts; `moet convert` holds exactly the W2 quantizer's
+    output and every other tensor byte for byte."""
+    pytest.importorskip("modelopt.torch.quantization")
+    import quality as fixture_quality  # bench/fixture/quality.py
+    from safetensors.torch import load_file
+
+    from moet_quant import convert, w2
+    from moet_quant.checkpoint import open_checkpoint
+
+    _, tok = loaded
+    ids = tok(SNIPPET).input_ids
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.array(ids * (2048 // len(ids) + 1), dtype=np.uint16))
+    fixture_quality.main(["--tokens", str(tokens), "--make-exports", str(tmp_path / "exports")])
+    bf16 = open_checkpoint(MODEL)
+    want = {(s.key.layer, s.key.expert, s.key.proj): s.dequant() for s in bf16.sources}
+    assert len(want) == 3 * 64 * 3
+    expert_tensors = {t for s in bf16.sources for t in s.tensors}
+    errors = {}
+    # modelopt's FP8 blocks are 128 x 128, larger than every fixture projection (32 x 128, 128 x
+    # 32): its export has one scale per projection, which moet reads as fp8-tensor (docs/quality.md)
+    for variant, fmt in (("fp8", "fp8-tensor"), ("nvfp4", "nvfp4")):
+        ck = open_checkpoint(tmp_path / "exports" / variant)
+        info = ck.info
+        assert (info.source_format, info.family) == (fmt, "glm")
+        assert (info.n_experts, info.moe_layers, info.n_projections) == (64, [1, 2, 3], 576)
+        rel = []
+        for s in ck.sources:
+            w = want[(s.key.layer, s.key.expert, s.key.proj)]
+            rel.append(np.sqrt(np.mean((s.dequant() - w) ** 2) / np.mean(w**2)))
+        errors[variant] = float(np.mean(rel))
+        if variant == "nvfp4":  # experts only: every other tensor (shared experts too) as it was
+            kept = [n for n in bf16.st.names() if n not in expert_tensors]
+            assert len(kept) == 57 and set(kept) <= set(ck.st.names())
+            for name in kept:
+                assert ck.st.array(name).tobytes() == bf16.st.array(name).tobytes(), name
+    # the quality table's rel-RMS means (docs/quality.md): fp8 0.026, nvfp4 0.095
+    assert 0.01 < errors["fp8"] < 0.04 < errors["nvfp4"] < 0.15, errors
+
+    out = convert.convert(MODEL, tmp_path / "moet", progress=False).out
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(f))
+    for s in bf16.sources:
+        ref = w2.quantize_f64(s.dequant())
+        assert (got[f"{s.name}.w2_codes"].numpy() == ref.codes).all(), s.name
+        assert (got[f"{s.name}.w2_scales"].numpy() == ref.scales).all(), s.name
+    for name in bf16.st.names():
+        if name not in expert_tensors:
+            raw = got[name].contiguous().view(torch.uint8).numpy().tobytes()
+            assert raw == bf16.st.array(name).tobytes(), name
+    assert not expert_tensors & set(got)
