@@ -248,6 +248,7 @@ def validate(gen, reduced: bool) -> list[dict]:
         plan = [
             ("fixture", 5, torch.float32, 0.7, 2),
             ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0),
+            ("qwen3-235b-tp4", 130, torch.bfloat16, 0.9, 3),  # the prefill kernels
         ]
     else:
         plan = []
