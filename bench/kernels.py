@@ -248,7 +248,7 @@ def validate(gen, reduced: bool) -> list[dict]:
         plan = [
             ("fixture", 5, torch.float32, 0.7, 2),
             ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0),
-            ("qwen3-235b-tp4", 130, torch.bfloat16, 0.9, 3),  # the prefill kernels
+            ("qwen3-235b-tp4", 40, torch.bfloat16, 0.9, 3),  # 320 pairs: 2 tiles of the job sort
         ]
     else:
         plan = []
@@ -258,7 +258,7 @@ def validate(gen, reduced: bool) -> list[dict]:
                 plan.append((name, n_tok, torch.float32, 1.0, 0))
             plan.append((name, 8, torch.bfloat16, 0.6, 3))  # misses, padding rows, bf16
             plan.append((name, 33, torch.float32, 0.8, 5))
-            # the prefill kernels (jobs of 32 pairs), with misses and padding rows
+            # a prefill size (many jobs per expert, several tiles of the job sort), with misses
             plan.append((name, 300 if small else 256, torch.bfloat16, 0.9, 7))
     for name, n_tok, dtype, resident, pad in plan:
         h, i, e, k = SHAPES[name]

@@ -21,7 +21,7 @@
 
 namespace {
 
-constexpr int TOK = 8;            // pairs per mma tile (its N); a job holds 8 * NT pairs
+constexpr int TOK = 8;            // pairs per job: the mma's N
 constexpr int KCHUNK = 128;       // K per chunk: 4 k-tiles of 32, one 16-byte load per lane
 constexpr int WARPS = 4;          // split-K warps per CTA
 constexpr int THREADS = WARPS * 32;
@@ -97,54 +97,41 @@ __device__ __forceinline__ int act_pos(int k) {
   return c * KCHUNK + ((kk & 15) >> 2) * 32 + tt * 8 + (kk >> 4) * 4 + (kk & 3);
 }
 
-// One K chunk's operands for one warp: codes and scales of the 4 row tiles; per tile of 8 pairs,
-// the activation fragments of column g and the activation scales of columns 2*tig and 2*tig+1.
-template <int NT>
+// One K chunk's operands for one warp: codes and scales of the 4 row tiles, the activation
+// fragments of column g and the activation scales of columns 2*tig and 2*tig+1.
 struct Chunk {
   uint4 cw[4];
   uint2 sw[4];
-  uint4 b_lo[NT], b_hi[NT];
-  float4 x0[NT], x1[NT];
+  uint4 b_lo, b_hi;
+  float4 x0, x1;
 };
 
-// Where one warp lane's activations come from, per tile: its B column's row and the scale rows of
-// its two C columns (nullptr: no pair there, zeros).
-template <int NT>
-struct Operands {
-  const int8_t* act_g[NT];
-  const float* as0[NT];
-  const float* as1[NT];
-};
-
-template <int NT>
-__device__ __forceinline__ void load_chunk(Chunk<NT>& k, const uint8_t* codes,
-                                           const uint8_t* scales, int c, const Operands<NT>& op,
-                                           int lane) {
+__device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const uint8_t* scales,
+                                           int c, const int8_t* act_g, const float* as0,
+                                           const float* as1, int lane) {
   const int g = lane >> 2, tig = lane & 3;
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) {
     k.cw[rt] = ld_stream16(codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
     k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
   }
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    k.b_lo[n] = k.b_hi[n] = make_uint4(0, 0, 0, 0);
-    if (op.act_g[n]) {
-      const uint4* p = reinterpret_cast<const uint4*>(op.act_g[n] + c * KCHUNK + tig * 32);
-      k.b_lo[n] = p[0];
-      k.b_hi[n] = p[1];
-    }
-    k.x0[n] = k.x1[n] = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (op.as0[n]) k.x0[n] = reinterpret_cast<const float4*>(op.as0[n])[c];
-    if (op.as1[n]) k.x1[n] = reinterpret_cast<const float4*>(op.as1[n])[c];
+  k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
+  if (act_g) {
+    const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
+    k.b_lo = p[0];
+    k.b_hi = p[1];
   }
+  k.x0 = k.x1 = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (as0) k.x0 = reinterpret_cast<const float4*>(as0)[c];
+  if (as1) k.x1 = reinterpret_cast<const float4*>(as1)[c];
 }
 
-// f[rt][n][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1 of tile n.
-template <int NT>
-__device__ __forceinline__ void mma_chunk(float (&f)[4][NT][4], const Chunk<NT>& k) {
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k) {
 #pragma unroll
   for (int tt = 0; tt < 4; ++tt) {
+    const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
+    const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
+    const float s0 = f4_of(k.x0, tt), s1 = f4_of(k.x1, tt);
 #pragma unroll
     for (int rt = 0; rt < 4; ++rt) {
       // A PRMT selector nibble's bit 2 picks the second source (LEVELS again: don't care), bit 3
@@ -155,91 +142,55 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][NT][4], const Chunk<NT>&
       const uint32_t a1 = __byte_perm(LEVELS, LEVELS, hi);
       const uint32_t a2 = __byte_perm(LEVELS, LEVELS, lo >> 16);
       const uint32_t a3 = __byte_perm(LEVELS, LEVELS, hi >> 16);
+      float d[4];
+      mma_s8(d, a0, a1, a2, a3, b0, b1);
       const float wg = ue8m0(k.sw[rt].x, tt), wg8 = ue8m0(k.sw[rt].y, tt);
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {  // one decoded fragment, every tile of pairs
-        const uint32_t b0 = word_of(tt < 2 ? k.b_lo[n] : k.b_hi[n], (tt & 1) * 2);
-        const uint32_t b1 = word_of(tt < 2 ? k.b_lo[n] : k.b_hi[n], (tt & 1) * 2 + 1);
-        const float s0 = f4_of(k.x0[n], tt), s1 = f4_of(k.x1[n], tt);
-        float d[4];
-        mma_s8(d, a0, a1, a2, a3, b0, b1);
-        f[rt][n][0] = fmaf(d[0], wg * s0, f[rt][n][0]);
-        f[rt][n][1] = fmaf(d[1], wg * s1, f[rt][n][1]);
-        f[rt][n][2] = fmaf(d[2], wg8 * s0, f[rt][n][2]);
-        f[rt][n][3] = fmaf(d[3], wg8 * s1, f[rt][n][3]);
-      }
+      f[rt][0] = fmaf(d[0], wg * s0, f[rt][0]);
+      f[rt][1] = fmaf(d[1], wg * s1, f[rt][1]);
+      f[rt][2] = fmaf(d[2], wg8 * s0, f[rt][2]);
+      f[rt][3] = fmaf(d[3], wg8 * s1, f[rt][3]);
     }
   }
 }
 
-// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8 * NT
-// activation rows. With one tile, the next chunk's loads are issued before the current chunk's
-// math (two chunks in flight); with more, registers hold one chunk.
-template <int NT>
-__device__ __forceinline__ void gemm64(float (&f)[4][NT][4], const uint8_t* codes,
-                                       const uint8_t* scales, int nchunks,
-                                       const Operands<NT>& op, int warp, int lane) {
+// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
+// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
+// The next chunk's loads are issued before the current chunk's math (two chunks in flight).
+__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, const uint8_t* scales,
+                                       int nchunks, const int8_t* act_g, const float* as0,
+                                       const float* as1, int warp, int lane) {
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) f[rt][n][j] = 0.f;
+    for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
-  if constexpr (NT == 1) {
-    Chunk<NT> a, b;  // ping-pong: no register copies between iterations
-    load_chunk(a, codes, scales, warp, op, lane);
+  Chunk a, b;  // ping-pong: no register copies between iterations
+  load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
-    for (int c = warp; c < nchunks; c += 2 * WARPS) {
-      if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, op, lane);
-      mma_chunk(f, a);
-      if (c + WARPS >= nchunks) break;
-      if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, op, lane);
-      mma_chunk(f, b);
-    }
-  } else {
-    Chunk<NT> a;
-#pragma unroll 1
-    for (int c = warp; c < nchunks; c += WARPS) {
-      load_chunk(a, codes, scales, c, op, lane);
-      mma_chunk(f, a);
-    }
+  for (int c = warp; c < nchunks; c += 2 * WARPS) {
+    if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
+    mma_chunk(f, a);
+    if (c + WARPS >= nchunks) break;
+    if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
+    mma_chunk(f, b);
   }
 }
 
 // Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
-template <int NT>
-__device__ __forceinline__ void reduce_warps(float (&f)[4][NT][4], float (*red)[16 * NT][32],
-                                             int warp, int lane) {
+__device__ __forceinline__ void reduce_warps(float (&f)[4][4], float (*red)[16][32], int warp,
+                                             int lane) {
 #pragma unroll
-  for (int i = 0; i < 16 * NT; ++i) red[warp][i][lane] = f[i / (4 * NT)][(i / 4) % NT][i & 3];
+  for (int i = 0; i < 16; ++i) red[warp][i][lane] = f[i >> 2][i & 3];
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (int i = 0; i < 16 * NT; ++i) {
+    for (int i = 0; i < 16; ++i) {
       float v = red[0][i][lane];
 #pragma unroll
       for (int w = 1; w < WARPS; ++w) v = __fadd_rn(v, red[w][i][lane]);
-      f[i / (4 * NT)][(i / 4) % NT][i & 3] = v;
+      f[i >> 2][i & 3] = v;
     }
   }
-}
-
-// The operands of one job for this lane: tile n's pairs are job_pairs[8n .. 8n + 7].
-template <int NT>
-__device__ __forceinline__ Operands<NT> operands(const int* pairs, const int8_t* act,
-                                                 const float* scale, int row_div, int act_stride,
-                                                 int lane) {
-  const int g = lane >> 2, tig = lane & 3;
-  Operands<NT> op;
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int pg = pairs[8 * n + g], p0 = pairs[8 * n + 2 * tig], p1 = pairs[8 * n + 2 * tig + 1];
-    op.act_g[n] = pg >= 0 ? act + (size_t)(pg / row_div) * act_stride : nullptr;
-    op.as0[n] = p0 >= 0 ? scale + (size_t)(p0 / row_div) * (act_stride / 32) : nullptr;
-    op.as1[n] = p1 >= 0 ? scale + (size_t)(p1 / row_div) * (act_stride / 32) : nullptr;
-  }
-  return op;
 }
 
 // Quantizes 32 values to int8 with one float32 scale, as reference.quantize_activations does:
@@ -290,8 +241,8 @@ __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
   return warp_sums[warp] + incl - v;
 }
 
-// Block 0: per-expert job lists (pairs of one resident expert in increasing pair order,
-// per_job = 8 * NT per job), pair flags, the miss counter and the routed mask. Blocks 1..: activation quantization.
+// Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 8 per
+// job), pair flags, the miss counter and the routed mask. Blocks 1..: activation quantization.
 // The job lists are a stable counting sort: counts with shared-memory atomics (their order does
 // not matter), then tiles of 256 pairs placed by rank: a pair's place is the expert's pairs in
 // earlier tiles + in earlier warps of this tile + in lower lanes of its warp (match_any).
@@ -299,7 +250,7 @@ template <typename T>
 __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
                       const int* slot_table, int n_experts, const int* n_real, int* miss_count,
                       uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot,
-                      int* job_pairs, uint8_t* pair_ok, int per_job) {
+                      int* job_pairs, uint8_t* pair_ok) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS_R = ROUTE_THREADS / 32;
   if (blockIdx.x == 0) {
@@ -327,17 +278,17 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     int my_jobs = 0;
 #pragma unroll
     for (int q = 0; q < PER; ++q)
-      if (e0 + q < n_experts && s_slot[e0 + q] >= 0) my_jobs += (s_cnt[e0 + q] + per_job - 1) / per_job;
+      if (e0 + q < n_experts && s_slot[e0 + q] >= 0) my_jobs += (s_cnt[e0 + q] + TOK - 1) / TOK;
     int job = block_exclusive_scan(my_jobs, &s_total, warp_sums);
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int e = e0 + q;
       if (e >= n_experts) break;
       s_base[e] = job;
-      const int nj = s_slot[e] >= 0 ? (s_cnt[e] + per_job - 1) / per_job : 0;
+      const int nj = s_slot[e] >= 0 ? (s_cnt[e] + TOK - 1) / TOK : 0;
       for (int j = 0; j < nj; ++j, ++job) {
         job_slot[job] = s_slot[e];
-        for (int i = 0; i < per_job; ++i) job_pairs[job * per_job + i] = -1;
+        for (int i = 0; i < TOK; ++i) job_pairs[job * TOK + i] = -1;
       }
     }
     if (tid == 0) *n_jobs = s_total;
@@ -355,7 +306,7 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
       if (e >= 0 && s_slot[e] >= 0) {
         int j = s_cnt[e] + rank;
         for (int w = 0; w < warp; ++w) j += s_wcnt[w][e];
-        job_pairs[(s_base[e] + j / per_job) * per_job + j % per_job] = p;
+        job_pairs[(s_base[e] + j / TOK) * TOK + j % TOK] = p;
       }
       __syncthreads();
       if (e >= 0 && rank == 0) {
@@ -427,9 +378,9 @@ __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(
       NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,        \
            const int* slot_table, int n_experts, const int* n_real, int* miss_count,         \
            uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot, int* job_pairs, \
-           uint8_t* pair_ok, int per_job) {                                                   \
+           uint8_t* pair_ok) {                                                                \
     route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, n_experts, n_real,          \
-             miss_count, routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok, per_job);     \
+             miss_count, routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);              \
   }
 MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
 MOET_ROUTE(moet_route_f16, __half)
@@ -437,61 +388,61 @@ MOET_ROUTE(moet_route_f32, float)
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up, re-quantized per 32 to the permuted int8 layout of the down projection's input.
-template <int NT>
-__device__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
-                    long long off_scales, int n_units, int nchunks, const int8_t* xq,
-                    const float* xs, int hidden_p, int top_k, const int* n_jobs,
-                    const int* job_slot, const int* job_pairs, int8_t* aq, float* as,
-                    int inter_p) {
-  __shared__ float red[WARPS][16 * NT][32];
+extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
+    moet_w13(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
+             int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p,
+             int top_k, const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq,
+             float* as, int inter_p) {
+  __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
     const int job = item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
-    const int* pairs = job_pairs + job * TOK * NT;
-    const Operands<NT> op = operands<NT>(pairs, xq, xs, top_k, hidden_p, lane);
-    float f[4][NT][4];
-    gemm64<NT>(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
-               row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, op, warp, lane);
-    reduce_warps<NT>(f, red, warp, lane);
+    const int* pairs = job_pairs + job * TOK;
+    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
+    const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
+    const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / 32) : nullptr;
+    const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / 32) : nullptr;
+    float f[4][4];
+    gemm64(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
+           row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+           lane);
+    reduce_warps(f, red, warp, lane);
     if (warp == 0) {
+      // act[q][col]: q -> intermediate row g, g+8, 16+g, 24+g of this unit; col 2tig, 2tig+1
+      float act[4][2];
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        // act[q][col]: q -> intermediate row g, g+8, 16+g, 24+g of this unit; col 2tig, 2tig+1
-        float act[4][2];
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-#pragma unroll
-          for (int col = 0; col < 2; ++col) {
-            const int rt = q >> 1, j = (q & 1) * 2 + col;
-            act[q][col] = __fmul_rn(silu(f[rt][n][j]), f[rt + 2][n][j]);
-          }
+      for (int q = 0; q < 4; ++q)
 #pragma unroll
         for (int col = 0; col < 2; ++col) {
-          float amax = 0.f;
-          bool nan = false;
+          const int rt = q >> 1, j = (q & 1) * 2 + col;
+          act[q][col] = __fmul_rn(silu(f[rt][j]), f[rt + 2][j]);
+        }
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        float amax = 0.f;
+        bool nan = false;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          amax = fmaxf(amax, fabsf(act[q][col]));
+          nan |= act[q][col] != act[q][col];
+        }
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          nan |= __shfl_xor_sync(0xffffffffu, (int)nan, o);
+        }
+        const float s = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
+        const int pair = col ? p1 : p0;
+        if (pair >= 0) {
+          int8_t* dst = aq + (size_t)pair * inter_p;
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            amax = fmaxf(amax, fabsf(act[q][col]));
-            nan |= act[q][col] != act[q][col];
+            const int i = (q & 1) * 8 + (q >> 1) * 16 + g;
+            dst[act_pos(u * 32 + i)] = (int8_t)quant_one(act[q][col], s);
           }
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            nan |= __shfl_xor_sync(0xffffffffu, (int)nan, o);
-          }
-          const float s = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
-          const int pair = pairs[8 * n + 2 * tig + col];
-          if (pair >= 0) {
-            int8_t* dst = aq + (size_t)pair * inter_p;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const int i = (q & 1) * 8 + (q >> 1) * 16 + g;
-              dst[act_pos(u * 32 + i)] = (int8_t)quant_one(act[q][col], s);
-            }
-            if (g == 0) as[(size_t)pair * (inter_p / 32) + u] = s;
-          }
+          if (g == 0) as[(size_t)pair * (inter_p / 32) + u] = s;
         }
       }
     }
@@ -500,59 +451,39 @@ __device__ void w13(const uint8_t* pool, long long slot_bytes, long long off_cod
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-template <int NT>
-__device__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
-                   long long off_scales, int n_groups, int nchunks, const int8_t* aq,
-                   const float* as, int inter_p, const int* n_jobs, const int* job_slot,
-                   const int* job_pairs, float* y, int hidden) {
-  __shared__ float red[WARPS][16 * NT][32];
+extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
+    moet_w2(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
+            int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
+            const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {
+  __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_groups;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
     const int job = item / n_groups, rg = item % n_groups;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
-    const int* pairs = job_pairs + job * TOK * NT;
-    const Operands<NT> op = operands<NT>(pairs, aq, as, 1, inter_p, lane);
-    float f[4][NT][4];
-    gemm64<NT>(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
-               row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, op, warp, lane);
-    reduce_warps<NT>(f, red, warp, lane);
+    const int* pairs = job_pairs + job * TOK;
+    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
+    const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
+    const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / 32) : nullptr;
+    const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / 32) : nullptr;
+    float f[4][4];
+    gemm64(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
+           row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+           lane);
+    reduce_warps(f, red, warp, lane);
     if (warp == 0) {
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
+      for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
-        for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int h = rg * 64 + rt * 16 + g + (j >> 1) * 8;
-            const int pair = pairs[8 * n + 2 * tig + (j & 1)];
-            if (pair >= 0 && h < hidden) y[(size_t)pair * hidden + h] = f[rt][n][j];
-          }
+        for (int j = 0; j < 4; ++j) {
+          const int n = rg * 64 + rt * 16 + g + (j >> 1) * 8;
+          const int pair = (j & 1) ? p1 : p0;
+          if (pair >= 0 && n < hidden) y[(size_t)pair * hidden + n] = f[rt][j];
+        }
     }
     __syncthreads();
   }
 }
-
-// Decode (jobs of 8 pairs) and prefill (jobs of 32 pairs: each decoded weight fragment feeds 4
-// mma tiles; fewer CTAs per SM for the larger accumulators).
-#define MOET_GEMMS(SUFFIX, NT, W13_MIN, W2_MIN)                                                  \
-  extern "C" __global__ void __launch_bounds__(THREADS, W13_MIN) moet_w13##SUFFIX(               \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,      \
-      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,      \
-      const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq, float* as,       \
-      int inter_p) {                                                                             \
-    w13<NT>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,  \
-            n_jobs, job_slot, job_pairs, aq, as, inter_p);                                       \
-  }                                                                                              \
-  extern "C" __global__ void __launch_bounds__(THREADS, W2_MIN) moet_w2##SUFFIX(                 \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,      \
-      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                 \
-      const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {      \
-    w2<NT>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, n_jobs,  \
-           job_slot, job_pairs, y, hidden);                                                      \
-  }
-MOET_GEMMS(, 1, W13_BLOCKS, W2_BLOCKS)
-MOET_GEMMS(_x4, 4, 2, 2)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).

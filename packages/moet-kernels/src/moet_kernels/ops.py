@@ -25,8 +25,7 @@ from .reference import w2_moe_slots_reference
 
 log = logging.getLogger("moet_kernels")
 
-TOK = 8  # pairs per mma tile (the kernels' TOK)
-PREFILL_TILES = 4  # tiles per job of the prefill kernels (moet_w13_x4, moet_w2_x4)
+TOK = 8  # pairs per job (the kernels' TOK)
 MAX_EXPERTS = 1024  # the route kernel's limit
 OUT_KERNELS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -59,13 +58,6 @@ def native_layout(hidden: int, inter: int) -> NativeRowLayout:
     return _layouts[key]
 
 
-def tiles_per_job(n_tok: int, top_k: int, n_experts: int) -> int:
-    """8-pair mma tiles per job: 1 for decode; the prefill kernels once experts average >= 8
-    pairs (uniform routing), so each decoded weight fragment feeds 4 tiles. Fixed by the batch
-    shape, so a captured graph keeps its kernels."""
-    return PREFILL_TILES if n_tok * top_k >= TOK * n_experts else 1
-
-
 def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
     key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts)
     ws = _workspaces.get(key)
@@ -76,8 +68,7 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
                 "eagerly with this batch size before capturing a CUDA graph"
             )
         pairs = n_tok * top_k
-        per_job = TOK * tiles_per_job(n_tok, top_k, n_experts)
-        max_jobs = -(-pairs // per_job) + min(n_experts, pairs)
+        max_jobs = -(-pairs // TOK) + min(n_experts, pairs)
 
         def z(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, device=dev)
@@ -89,7 +80,7 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
             xs=z(n_tok, lay.hidden_p // 32, dtype=torch.float32),
             n_jobs=z(1, dtype=torch.int32),
             job_slot=z(max_jobs, dtype=torch.int32),
-            job_pairs=z(max_jobs, per_job, dtype=torch.int32),
+            job_pairs=z(max_jobs, TOK, dtype=torch.int32),
             pair_ok=z(pairs, dtype=torch.uint8),
             aq=z(pairs, lay.inter_p, dtype=torch.int8),  # padding columns stay zero
             as_=z(pairs, lay.inter_p // 32, dtype=torch.float32),
@@ -130,14 +121,13 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
         [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ws.ids), i32(top_k),
          _ptr(slot_table), i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count), _ptr(routed),
          _ptr(ws.xq), _ptr(ws.xs), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs),
-         _ptr(ws.pair_ok), i32(ws.job_pairs.shape[1])],
+         _ptr(ws.pair_ok)],
     )  # fmt: skip
-    gemm = "" if ws.job_pairs.shape[1] == TOK else f"_x{PREFILL_TILES}"
     slot_bytes = pool.stride(0)
     units = lay.inter // 32
     mod.launch(
-        f"moet_w13{gemm}",
-        min(ws.max_jobs * units, mod.blocks_per_sm(f"moet_w13{gemm}", 128) * sms),
+        "moet_w13",
+        min(ws.max_jobs * units, mod.blocks_per_sm("moet_w13", 128) * sms),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
@@ -146,8 +136,8 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     )  # fmt: skip
     groups = lay.w2_rows // 64
     mod.launch(
-        f"moet_w2{gemm}",
-        min(ws.max_jobs * groups, mod.blocks_per_sm(f"moet_w2{gemm}", 128) * sms),
+        "moet_w2",
+        min(ws.max_jobs * groups, mod.blocks_per_sm("moet_w2", 128) * sms),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
          i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
