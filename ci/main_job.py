@@ -124,7 +124,7 @@ def ask(port: int) -> None:
     )
     message = chat.choices[0].message
     # thinking is on: the glm45 reasoning parser puts what precedes </think> in `reasoning`
-    # (an untrained model never closes it, so that is everything)
+    # (the fixture never saw a chat and never closes it, so that is everything)
     print(f"   reasoning: {getattr(message, 'reasoning', None)!r}")
     print(f"   answer:    {message.content!r}")
     print(
@@ -152,9 +152,9 @@ def tool_call(client) -> None:
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=96,
         temperature=0,
-        # vLLM constrains a forced call after the reasoning, which an untrained model never
-        # ends: thinking off. The strict call's grammar allows unbounded whitespace between its
-        # tags, which an untrained model takes: whitespace tokens banned, so the call must close.
+        # vLLM constrains a forced call after the reasoning, which a model that never saw a chat
+        # never ends: thinking off. The strict call's grammar allows unbounded whitespace between
+        # its tags, which the fixture (trained on code) takes: whitespace tokens banned.
         logit_bias={str(i): -100 for i in whitespace_token_ids(OUT)},
         extra_body=no_thinking,
     )

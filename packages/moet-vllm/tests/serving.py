@@ -22,6 +22,47 @@ from moet_vllm.experts import ExpertSource
 HERE = Path(__file__).parent
 NAME = "moet-tiny"  # the served model name of `Server`
 
+# The project's trained fixture (bench/fixture/glm-moe-fixture: GLM-4.5 family, 3 MoE layers x 64
+# experts, top-4, trained on Python sources and man pages; its model card says more): the default
+# model of the tests where a trained model matters (real routing, a real tokenizer and template).
+FIXTURE = HERE.parents[2] / "bench" / "fixture" / "glm-moe-fixture"
+# Prompts for the fixture, in the kinds of text it was trained on (written for the tests).
+FIXTURE_TEXTS = (
+    "import os\nimport sys\n\n\ndef main(",
+    "NAME\n       ls - list directory contents\n\nSYNOPSIS\n",
+    "class Stack:\n    def __init__(self):\n",
+    "The following options are available:\n\n",
+    "    def __repr__(self):\n        return ",
+    "def read_lines(path):\n    with open(path) as f:\n",
+    "       -h, --help\n              display this help and exit\n",
+    "for name in sorted(os.listdir(path)):\n    if name.endswith(",
+    "DESCRIPTION\n       The ",
+    "    except KeyError:\n        raise ValueError(",
+    "import json\n\n\ndef load(path):\n    ",
+    "SEE ALSO\n       ",
+    'class Error(Exception):\n    """',
+    "       -v, --verbose\n              ",
+    "if __name__ == '__main__':\n    ",
+    "This program is free software; you can redistribute it",
+)
+
+
+def fixture_prompts(n: int = 2, model: Path = FIXTURE) -> list[list[int]]:
+    """The first `n` FIXTURE_TEXTS as token ids of `model`'s tokenizer (the fixture's)."""
+    from tokenizers import Tokenizer
+
+    if not 1 <= n <= len(FIXTURE_TEXTS):
+        raise ValueError(f"n={n}: there are {len(FIXTURE_TEXTS)} fixture prompts")
+    tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
+    return [tok.encode(t).ids for t in FIXTURE_TEXTS[:n]]
+
+
+def convert_fixture(out: Path) -> Path:
+    """The fixture as a moet checkpoint (`moet convert`: W2 reference experts) written to `out`."""
+    from moet_quant import convert
+
+    return convert.convert(FIXTURE, out, progress=False).out
+
 
 def run_vllm(
     model,
@@ -34,11 +75,17 @@ def run_vllm(
     dtype=None,
     extra=(),
     check=True,
+    prompts=None,
 ) -> dict:
     """vllm_driver.py in a subprocess -> {"tokens", "init_seconds", "spec_decode", "log"};
-    `extra`: more driver flags; check=False returns {"returncode", "log"} of a failed boot."""
+    `extra`: more driver flags; `prompts`: token-id lists (default: the driver's PROMPTS);
+    check=False returns {"returncode", "log"} of a failed boot."""
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, str(HERE / "vllm_driver.py"), str(model), str(out), *extra]
+    if prompts is not None:
+        prompts_file = tmp_path / f"{name}.prompts.json"
+        prompts_file.write_text(json.dumps(prompts))
+        cmd += ["--prompts-file", str(prompts_file)]
     if dtype:
         cmd += ["--dtype", dtype]
     if quantization:
@@ -59,13 +106,19 @@ def run_vllm(
 
 
 def hf_reference_tokens(
-    model_dir: Path, experts_dir: Path, dense_dir: Path | None = None
+    model_dir: Path,
+    experts_dir: Path,
+    dense_dir: Path | None = None,
+    prompts: list[list[int]] | None = None,
 ) -> list[list[int]]:
     """transformers (float32) running `model_dir` (an unquantized checkpoint) with every routed
     expert replaced by the W2 dequantization of `experts_dir`'s experts and, with `dense_dir`,
-    every quantized dense projection of `dense_dir` by its exact dequantization."""
+    every quantized dense projection of `dense_dir` by its exact dequantization; greedy tokens of
+    `prompts` (default: the driver's PROMPTS)."""
     from transformers import AutoModelForCausalLM
     from vllm_driver import MAX_TOKENS, PROMPTS
+
+    prompts = PROMPTS if prompts is None else prompts
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     src = ExpertSource.open(experts_dir, resolve(None, None, {}))
@@ -83,7 +136,7 @@ def hf_reference_tokens(
             experts.down_proj.copy_(w2_dequant(s["w2_codes"], s["w2_scales"]))
     src.close()
     out = []
-    for p in PROMPTS:
+    for p in prompts:
         ids = torch.tensor([p])
         gen = m.generate(
             ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None

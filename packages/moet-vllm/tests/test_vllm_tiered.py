@@ -1,6 +1,9 @@
-"""Tiered residency end to end on vLLM CPU (float32): a pool smaller than the experts gives the
-greedy tokens of a fully resident run scheduled the same way; KPI lines show the replays; the next
-boot preloads the saved hot set; a pool below the boot floor is refused with the number that works.
+"""Tiered residency end to end on vLLM CPU (float32), on the trained fixture (serving.FIXTURE:
+3 MoE layers x 64 experts, top-4) and prompts of the text it was trained on, so the pool works
+with real routing: a pool smaller than the experts gives the greedy tokens of a fully resident run
+scheduled the same way, which are transformers' with the same W2 experts; KPI lines show the
+replays; the next boot preloads the saved hot set; a pool below the boot floor is refused with the
+number that works.
 """
 
 from __future__ import annotations
@@ -10,19 +13,25 @@ import time
 import urllib.request
 
 import pytest
-from serving import NAME, Server, run_vllm
-from tiny_models import write_tiny_model
-
-from moet_quant import convert
+from serving import (
+    FIXTURE,
+    FIXTURE_TEXTS,
+    NAME,
+    Server,
+    convert_fixture,
+    fixture_prompts,
+    hf_reference_tokens,
+    run_vllm,
+)
 
 pytest.importorskip("vllm")
+
+KEYS = 3 * 64  # (MoE layer, expert) pairs of the fixture
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiered")
-    official = write_tiny_model("qwen3_moe", root / "qwen3")  # 2 MoE layers x 16 experts, top-4
-    return convert.convert(official, root / "qwen3-moet", progress=False).out
+    return convert_fixture(tmp_path_factory.mktemp("tiered") / "fixture-moet")
 
 
 @pytest.fixture(scope="module")
@@ -36,13 +45,15 @@ def kpis(log: str) -> list[float]:
 
 def test_a_pool_of_37_percent_serves_the_resident_tokens(model, cache, tmp_path):
     one_seq = ["--max-num-seqs", "1"]
-    resident = run_vllm(model, tmp_path, "resident", extra=one_seq)
-    env = {"MOET_GPU_POOL": "12", "MOET_KPI_EVERY": "2", "MOET_CACHE_DIR": str(cache)}
-    tiered = run_vllm(model, tmp_path, "tiered", env=env, extra=one_seq)
+    prompts = fixture_prompts(2)
+    resident = run_vllm(model, tmp_path, "resident", extra=one_seq, prompts=prompts)
+    assert resident["tokens"] == hf_reference_tokens(FIXTURE, model, prompts=prompts)
+    env = {"MOET_GPU_POOL": "72", "MOET_KPI_EVERY": "2", "MOET_CACHE_DIR": str(cache)}
+    tiered = run_vllm(model, tmp_path, "tiered", env=env, extra=one_seq, prompts=prompts)
     assert tiered["tokens"] == resident["tokens"]
     log = tiered["log"]
     assert (
-        "tiered residency: 12 expert slots for 2 MoE layers x 16 experts (pool coverage 37.5%"
+        "tiered residency: 72 expert slots for 3 MoE layers x 64 experts (pool coverage 37.5%"
         in log
     )
     assert kpis(log) and max(kpis(log)) > 0  # steps did replay
@@ -50,41 +61,45 @@ def test_a_pool_of_37_percent_serves_the_resident_tokens(model, cache, tmp_path)
 
 
 def test_sixteen_concurrent_requests_below_the_floor_with_a_warm_start(model, cache, tmp_path):
-    """16 prompts queued at once, 4 running together, a pool of 16 slots (below the floor of 37
+    """16 prompts queued at once, 4 running together, a pool of 48 slots (below the floor of 56
     for 4 sequences: consented): every output equals the resident run's; the hot set saved by
     the previous boot is preloaded."""
-    flags = ["--max-num-seqs", "4", "--prompts", "16"]
-    resident = run_vllm(model, tmp_path, "resident16", extra=flags)
+    flags = ["--max-num-seqs", "4"]
+    prompts = fixture_prompts(16)
+    resident = run_vllm(model, tmp_path, "resident16", extra=flags, prompts=prompts)
     env = {
-        "MOET_GPU_POOL": "16",
+        "MOET_GPU_POOL": "48",
         "MOET_BELOW_FLOOR_OK": "1",
         "MOET_KPI_EVERY": "4",
         "MOET_CACHE_DIR": str(cache),
     }
-    tiered = run_vllm(model, tmp_path, "tiered16", env=env, extra=flags)
+    tiered = run_vllm(model, tmp_path, "tiered16", env=env, extra=flags, prompts=prompts)
     assert len(tiered["tokens"]) == 16 and all(len(t) == 8 for t in tiered["tokens"])
     assert tiered["tokens"] == resident["tokens"]
+    assert "48 expert slots for 3 MoE layers x 64 experts (pool coverage 25.0%" in tiered["log"]
     preloaded = re.search(r"warm start: (\d+) experts preloaded", tiered["log"])
     assert preloaded and int(preloaded.group(1)) > 0, tiered["log"][-3000:]
 
 
 def test_a_pool_below_the_floor_is_refused_with_the_number_that_works(model, cache, tmp_path):
-    env = {"MOET_GPU_POOL": "4", "MOET_CACHE_DIR": str(cache)}
+    env = {"MOET_GPU_POOL": "8", "MOET_CACHE_DIR": str(cache)}
     r = run_vllm(model, tmp_path, "floor", env=env, extra=["--max-num-seqs", "1"], check=False)
     assert r["returncode"] != 0
-    assert "gives 4 expert slots, below the boot floor of 10" in r["log"]
-    assert "set gpu_pool >= 10" in r["log"]
+    # 1.15 x 3 MoE layers x top-4 x 1 token/step x 1 sequence = 13.8
+    assert "gives 8 expert slots, below the boot floor of 14" in r["log"]
+    assert "set gpu_pool >= 14" in r["log"]
 
 
 def test_openai_server_reports_residency_on_metrics(model, tmp_path):
     """`moet serve` with a partial pool: completions work, and the workers' residency counters
     reach the API server's Prometheus `/metrics` (residency/metrics.py)."""
-    env = {"MOET_GPU_POOL": "12", "MOET_KPI_EVERY": "2"}
+    env = {"MOET_GPU_POOL": "72", "MOET_KPI_EVERY": "2"}
     srv = Server(model, tmp_path / "server.log", tmp_path / "cache", ["--max-num-seqs", "1"], env)
     try:
         srv.wait_ready()
-        for prompt in ("Hello", "Two-bit experts"):
-            r = srv.post("/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 6})
+        for prompt in FIXTURE_TEXTS[:2]:
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 6, "ignore_eos": True}
+            r = srv.post("/v1/completions", body)
             assert r["usage"]["completion_tokens"] == 6
         time.sleep(1.5)  # workers publish at most once a second
         srv.post("/v1/completions", {"model": NAME, "prompt": "again", "max_tokens": 2})

@@ -526,8 +526,9 @@ WEATHER_TOOL = {  # the tool of the tool-call round trips (tests, main job)
 
 def whitespace_token_ids(model_dir: str | os.PathLike) -> list[int]:
     """Ids of the tokens of `model_dir`'s tokenizer whose text holds whitespace. A client bans
-    them (logit_bias -100) so that a random model cannot pad a grammar's unbounded optional
-    whitespace (the forced GLM tool call in test_vllm_openai.py and the main job)."""
+    them (logit_bias -100) so that a model that never learned GLM's chat (the trained fixture, a
+    random one) cannot pad a grammar's unbounded optional whitespace (the forced GLM tool call in
+    test_vllm_openai.py and the main job)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))

@@ -1,9 +1,9 @@
 """Runs one vLLM (CPU) generation in its own process for the end-to-end tests.
 
-    python vllm_driver.py MODEL OUT.json [--quantization moet]
+    python vllm_driver.py MODEL OUT.json [--quantization moet] [--prompts-file PROMPTS.json]
 
-Greedy decoding of fixed token prompts (float32 unless --dtype); writes {"tokens": [[...], ...],
-"init_seconds": s}. vLLM spawns processes, so this runs as a script, never imported by pytest.
+Greedy decoding of fixed token prompts (PROMPTS, or the token-id lists of --prompts-file; float32
+unless --dtype); writes {"tokens": [[...], ...], "init_seconds": s}. vLLM spawns processes, so this runs as a script, never imported by pytest.
 """
 
 from __future__ import annotations
@@ -36,8 +36,20 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="more: seeded random ones")
+    ap.add_argument("--prompts-file", help="a JSON list of token-id lists (instead of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     args = ap.parse_args()
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            todo = json.load(f)
+        if not (
+            isinstance(todo, list)
+            and todo
+            and all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in todo)
+        ):
+            ap.error(f"--prompts-file {args.prompts_file}: not a JSON list of token-id lists")
+    else:
+        todo = prompts(args.prompts)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
@@ -67,7 +79,7 @@ def main() -> None:
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
     )
     t1 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(args.prompts)], sp)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in todo], sp)
     generate = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     spec_counters = {}
