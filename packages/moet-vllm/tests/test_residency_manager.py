@@ -245,3 +245,90 @@ def test_moet_tune_changes_a_running_manager(tmp_path, monkeypatch, caplog):
         mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
     assert mgr.max_replays == 4 and "ignoring runtime settings" in caplog.text
     assert cli.main(["tune", "gpu_pool=10", "--run", str(run)]) == 2  # not runtime-tunable
+
+
+# -- the expert predictor -----------------------------------------------------------------------
+
+
+def token_steps(seed: int, n: int, vocab: int = 6):
+    """(token ids, x) per decode step of 1-2 tokens: x is the tokens' embedding, so a token's
+    routing in every layer is a function of its id (as it largely is in a trained model)."""
+    rng = np.random.default_rng(seed)
+    emb = torch.from_numpy(rng.standard_normal((vocab, H)).astype(np.float32))
+    for _ in range(n):
+        toks = torch.from_numpy(rng.integers(0, vocab, int(rng.integers(1, 3))))
+        yield toks, emb[toks]
+
+
+@pytest.mark.parametrize("predict", [True, False])
+def test_predicted_experts_are_fetched_before_the_forward(tmp_path, predict):
+    stack = Stack(11, tmp_path)
+    mgr = manager(stack, 12, predict=predict)
+    replays_late = 0
+    for i, (toks, x) in enumerate(token_steps(11, 120)):
+        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), n_real=len(toks), token_ids=toks)
+        assert torch.equal(got, stack.forward(x, None))  # still bit-identical
+        if i == 59:
+            before = mgr.counters.replayed_steps
+    replays_late = mgr.counters.replayed_steps - before
+    c = mgr.counters
+    if predict:
+        # every token id was seen in the first 60 steps: each later step's experts are fetched
+        # before its forward (at most 2 tokens x 3 layers x top-2 = 12 keys: the pool holds them)
+        assert replays_late == 0
+        assert c.predicted_steps > 30 and 0 < c.predicted_rows <= c.fetched_rows
+        assert "predicted fetches" in mgr.kpi_line()
+    else:
+        assert replays_late > 10 and c.predicted_steps == 0
+
+
+def test_prefill_learns_but_never_fetches_a_guess(tmp_path):
+    stack = Stack(12, tmp_path)
+    mgr = manager(stack, 12)
+    toks = torch.tensor([0, 1, 2, 3, 4, 5] * 2)
+    emb = torch.from_numpy(np.random.default_rng(12).standard_normal((6, H)).astype(np.float32))
+    mgr.run_forward(lambda: stack.forward(emb[toks], mgr), scan=True, n_real=12, token_ids=toks)
+    assert mgr.counters.predicted_steps == 0
+    assert mgr.policy.tokens.predict([3], 0.5)[0].size == L * TOP_K  # learned from the prefill
+    mgr.run_forward(lambda: stack.forward(emb[:1], mgr), n_real=1, token_ids=toks[:1])
+    assert mgr.counters.replayed_steps == 1  # the prefill's; the decode step's were predicted
+
+
+def test_a_failed_predicted_fetch_does_not_fail_the_step(tmp_path, monkeypatch, caplog):
+    stack = Stack(13, tmp_path)
+    mgr = manager(stack, 12)
+    for toks, x in token_steps(13, 30):
+        mgr.run_forward(lambda x=x: stack.forward(x, mgr), n_real=len(toks), token_ids=toks)
+    # token 99 (never seen) is learned to route a key that is not resident: a sure guess
+    guess = int(np.flatnonzero(mgr.policy.slot_table.ravel() < 0)[0])
+    mgr.policy.learn([99, 99], [[guess], [guess]])
+    real, calls = mgr._copy_rows, []
+
+    def flaky(keys, slots):
+        calls.append(list(keys))
+        if len(calls) == 1:  # the predicted fetch fails half-way: its slots hold garbage
+            for slot in slots:
+                mgr.pool[int(slot)].fill_(0x55)
+            raise MoetResidencyError("moet: fetching failed (test)")
+        return real(keys, slots)
+
+    monkeypatch.setattr(mgr, "_copy_rows", flaky)
+    predicted = mgr.counters.predicted_steps
+    x = torch.randn(1, H)
+    with caplog.at_level("WARNING"):
+        got = mgr.run_forward(lambda: stack.forward(x, mgr), n_real=1, token_ids=torch.tensor([99]))
+    assert "the predicted fetch failed" in caplog.text and len(calls[0]) >= 1
+    assert torch.equal(got, stack.forward(x, None))  # the garbage slots were never read
+    # the host mirror and the device table agree; the guess was not published
+    table = mgr.slot_table.numpy()
+    assert np.array_equal(table, mgr.policy.slot_table)
+    o, e = divmod(guess, E)
+    assert int(table[o, e]) < 0 or any(k == (o, e) for k in sum(calls[1:], []))
+    assert mgr.counters.predicted_steps == predicted  # a failed fetch is not counted
+
+
+def test_predict_is_a_config_switch():
+    from moet_vllm.config import resolve
+
+    assert resolve(None, None, {}).predict is True
+    assert resolve(None, None, {"MOET_PREDICT": "0"}).predict is False

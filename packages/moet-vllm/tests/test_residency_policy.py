@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moet_vllm.residency import Plan, ResidencyPolicy, key_ids, key_pairs, routed_keys
-from moet_vllm.residency.policy import lowest
+from moet_vllm.residency.policy import TokenTable, lowest
 
 
 def consistent(pol: ResidencyPolicy) -> None:
@@ -217,3 +217,71 @@ def test_lowest_orders_and_ties():
     assert lowest(cands, 4, a, b).tolist() == [7, 3, 2, 5]
     assert lowest(cands, 20, a, b).tolist() == [7, 3, 2, 5, 1, 4, 0, 6]
     assert lowest(cands, 0, a).size == 0
+
+
+# -- the token predictor ------------------------------------------------------------------------
+
+
+def test_token_table_counts_what_each_token_routed():
+    t = TokenTable(8)
+    t.learn([3, 3, 5, 3], [[0, 1], [0, 2], [6, 7], [0, 1]])  # token 3: 0 x3, 1 x2, 2 x1
+    keys, prob = t.predict([3], 0.5)
+    assert keys.tolist() == [0, 1] and prob.tolist() == pytest.approx([1.0, 2 / 3])
+    assert t.predict([3], 0.3)[0].tolist() == [0, 1, 2]
+    # several tokens: a key's share is its highest over them; most likely first, then by id
+    assert t.predict([5, 3], 0.5)[0].tolist() == [0, 6, 7, 1]
+    assert t.predict([4], 0.01)[0].size == 0  # never seen: nothing predicted
+    assert t.predict([3], 0.0)[0].size == 0  # threshold 0: prediction off
+    with pytest.raises(ValueError):
+        t.learn([-1], [[0]])
+
+
+def test_token_table_rows_change_hands_only_when_worn_down():
+    t = TokenTable(4, max_bytes=2 * 2 * 4)  # 2 rows: tokens 1 and 3 share row 1
+    assert t.rows == 2
+    for _ in range(3):
+        t.learn([1], [[2]])
+    t.learn([3, 3], [[0], [0]])  # two occurrences wear token 1 down to 1: it keeps its row
+    assert t.predict([1], 0.5)[0].tolist() == [2] and t.predict([3], 0.01)[0].size == 0
+    t.learn([3], [[0]])  # the last one: token 3 takes the row, with its own counts only
+    assert t.predict([1], 0.01)[0].size == 0
+    assert t.predict([3], 0.5)[0].tolist() == [0] and int(t.seen[1]) == 1
+
+
+def test_token_table_halves_before_a_count_overflows():
+    t = TokenTable(4)
+    t.learn(np.zeros(0xFFFE, np.int64), np.zeros((0xFFFE, 1), np.int64))  # key 0, 65534 times
+    t.learn([0, 0], [[0], [1]])
+    assert int(t.seen[0]) == 0xFFFE // 2 + 2 and int(t.counts[0, 0]) == 0xFFFE // 2 + 1
+    keys, prob = t.predict([0], 1e-5)
+    assert keys.tolist() == [0, 1] and prob[0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_plan_ahead_fetches_the_predicted_keys_and_is_no_replay():
+    pol = ResidencyPolicy(4, 2, 4, predict_threshold=0.5)
+    pol.step([0, 1, 2, 3])
+    pol.learn([7, 7], [[4, 5], [4, 6]])  # token 7 routed 4 twice, 5 and 6 once each
+    plan = pol.plan_ahead([7])
+    assert pol.resident.tolist() == [0, 1, 2, 3]  # pure
+    assert plan.fetch_keys.tolist() == [4, 5, 6] and plan.n_prefetch == 3
+    assert not plan.replay and plan.n_missing == 0
+    assert len(plan.evict_keys) == 3  # the coldest three of 0..3
+    pol.commit(plan)
+    assert {4, 5, 6} <= set(pol.resident.tolist())
+    # resident predicted keys are pinned: never the victims of the predicted fetch
+    pol = ResidencyPolicy(3, 1, 8, predict_threshold=0.5)
+    pol.step([0])
+    pol.step([1])
+    pol.step([2])  # 0 is the coldest
+    pol.learn([9], [[0, 5]])
+    plan = pol.plan_ahead([9])
+    assert plan.fetch_keys.tolist() == [5] and plan.evict_keys.tolist() == [1]
+    # off, or nothing known: an empty plan
+    off = ResidencyPolicy(3, 1, 8, predict_threshold=0.0)
+    off.learn([9], [[5]])
+    assert not off.predicts and off.plan_ahead([9]).fetch_keys.size == 0
+    assert pol.plan_ahead([4]).fetch_keys.size == 0
+    with pytest.raises(ValueError):
+        ResidencyPolicy(3, 1, 8, predict_threshold=1.5)
+    with pytest.raises(ValueError):
+        pol.learn([9], [[8]])  # not a key of this geometry

@@ -212,3 +212,114 @@ def test_trace_files_round_trip(tmp_path):
         traces.check_trace(ids[:, :, :4], meta)
     with pytest.raises(ValueError, match="lacks"):
         traces.check_trace(ids, {"E": 256})
+
+
+# -- fetching more than the missing keys ----------------------------------------------------------
+
+
+def brute_force_prefetch(steps: np.ndarray, n_slots: int, warmup: int) -> int:
+    """Fewest replay steps in [warmup, ...) when the pool may change only at replay steps, to any
+    set holding the step's keys (any budget, any knowledge), starting from any pool."""
+    uniq = [frozenset(int(k) for k in u) for u in sim.unique_steps(steps)][warmup:]
+    keys = sorted(set().union(*uniq)) if uniq else []
+    pools = [frozenset(c) for r in range(n_slots + 1) for c in itertools.combinations(keys, r)]
+    best = {p: 0 for p in pools}
+    for need in uniq:
+        nxt: dict = {}
+        for pool, rep in best.items():
+            if need <= pool:  # replay-free: the pool stays
+                nxt[pool] = min(nxt.get(pool, math.inf), rep)
+            else:  # a replay may set any pool holding the step's keys
+                for q in pools:
+                    if need <= q:
+                        nxt[q] = min(nxt.get(q, math.inf), rep + 1)
+        best = nxt
+    return min(best.values())
+
+
+def test_the_prefetch_bound_is_exact_and_bounds_every_policy():
+    for steps, n_slots, n_keys, _ in tiny_cases(2, 150):
+        warm = min(2, len(steps) - 1)
+        bound = sim.prefetch_lower_bound(steps, n_slots, warmup=warm)
+        assert bound == brute_force_prefetch(steps, n_slots, warm)
+        for name in (*sim.POLICIES, *sim.PREFETCHING):
+            r = sim.run_policy(name, steps, n_slots, 1, n_keys, warmup=warm, prefetch=2)
+            assert r.replay_steps >= bound, name
+
+
+def test_prefetch_on_replay_steps():
+    # 1 layer x 8 keys, 3 slots, decayed frequency: 0 and 1 are hot
+    pol = sim.make_policy("decay+pf", 3, 1, 8, None, prefetch=2)
+    for keys in ([0, 1], [0, 1], [0, 1], [2]):
+        pol.step(keys)
+    plan = pol.step([3, 2])  # 3 is missing and 2 pinned: hot key 0 goes (ties: lowest id)
+    assert plan.evict_keys.tolist() == [0] and plan.n_prefetch == 0  # nothing ranks above 1
+    assert pol.step([1, 3]).fetch_keys.size == 0  # replay-free: nothing is fetched
+    # a replay: 4 is missing (victim 2, the coldest); 0, not resident, ranks above 3 (two
+    # routings against three older ones), so it comes back in 3's slot; 2 (just evicted) does not
+    plan = pol.step([1, 4])
+    assert plan.replay and plan.n_missing == 1 and plan.n_prefetch == 1
+    assert plan.fetch_keys.tolist() == [4, 0] and plan.evict_keys.tolist() == [2, 3]
+    assert sorted(pol.resident.tolist()) == [0, 1, 4]
+    # without a budget, the same steps fetch on demand only
+    ref = sim.make_policy("decay+pf", 3, 1, 8, None, prefetch=0)
+    for keys in ([0, 1], [0, 1], [0, 1], [2], [3, 2], [1, 3]):
+        ref.step(keys)
+    assert ref.step([1, 4]).fetch_keys.tolist() == [4]
+    # a clairvoyant prefetch never replays more than MIN, and fetches before it is asked
+    steps = np.array([[0, 1], [2, 3], [0, 4], [1, 5], [2, 6], [3, 0], [4, 1], [5, 2]])
+    mn = sim.run_policy("min", steps, 4, 1, 8)
+    pf = sim.run_policy("min+pf", steps, 4, 1, 8, prefetch=4)
+    assert pf.replay_steps < mn.replay_steps
+    assert pf.fetched_rows >= pf.missing_pairs and pf.missing_pairs < mn.missing_pairs
+
+
+def test_predict_fetches_what_a_token_routed_before():
+    # token t always routes keys {2t, 2t+1} of 1 layer x 16 experts; 6 slots; tokens cycle 0..4
+    tokens = np.arange(200) % 5
+    ids = np.stack([2 * tokens, 2 * tokens + 1], axis=1)[:, None, :].astype(np.uint16)
+    steps = sim.decode_steps(ids, 16)
+    toks, keys = sim.step_tokens(ids, tokens, 16)
+    assert toks.shape == (200, 1) and keys[7].tolist() == [[4, 5]]
+    r = sim.run_policy("predict", steps, 6, 1, 16, tokens=toks, token_keys=keys)
+    d = sim.run_policy("decay", steps, 6, 1, 16)
+    assert r.replay_steps == 5  # each token's first occurrence only
+    assert d.replay_steps > 100  # 5 x 2 keys in 6 slots: decayed frequency thrashes
+    assert r.early_fetch_steps > 100 and r.fetched_rows == r.missing_pairs + 2 * r.early_fetch_steps
+    with pytest.raises(ValueError, match="tokens"):
+        sim.make_policy("predict", 6, 1, 16, steps)
+
+
+def test_online_clean_bound():
+    # one layer, top-1: the best pool of s experts is replay-free with the share of its weights
+    w = np.array([[4.0, 3.0, 2.0, 1.0]])
+    got = sim.online_clean_bound(lambda t: w, np.zeros((3, 1), np.int64), 1, [1, 2, 3, 4])
+    assert got.tolist() == pytest.approx([3 * 0.6, 3 * 0.3, 3 * 0.1, 0.0])
+    # top-2 without replacement: a bound above the true replay-free probability of any pool
+    rng = np.random.default_rng(0)
+    w2 = rng.random((2, 6)) + 0.1
+    for s in (4, 6, 9):
+        bound = sim.online_clean_bound(lambda t: w2, np.zeros((1, 1), np.int64), 2, [s])[0]
+        best = 0.0
+        for s0 in range(2, min(6, s - 2) + 1):
+            s1 = min(6, s - s0)
+            p = 1.0
+            for layer, n in ((0, s0), (1, s1)):
+                q = np.sort(w2[layer])[::-1] / w2[layer].sum()
+                inside = q[:n].sum()
+                # exact P(both draws in the top n) for a draw of 2 without replacement
+                p *= sum(q[i] * (inside - q[i]) / (1 - q[i]) for i in range(n))
+            best = max(best, p)
+        assert 1 - best >= bound - 1e-12
+
+
+def test_synthetic_state_is_the_traces_hidden_state():
+    prof = traces.PROFILES["deepseek-v4-flash"]
+    ids = traces.synthetic_trace(prof, 512, 3)
+    st = traces.synthetic_state(prof, 512, 3)
+    assert np.array_equal(ids, traces.synthetic_trace(prof, 512, 3))  # unchanged by the state
+    w = np.stack([st.weights(t) for t in range(512)])  # [tokens, layers, E]
+    lik = np.log(np.take_along_axis(w, ids.astype(np.int64), axis=2)).sum()
+    shuffled = w[np.random.default_rng(0).permutation(512)]
+    other = np.log(np.take_along_axis(shuffled, ids.astype(np.int64), axis=2)).sum()
+    assert lik > other + 1000  # the routings follow their own token's weights

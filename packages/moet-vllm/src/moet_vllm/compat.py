@@ -257,7 +257,8 @@ def run_vllm_cli(argv: list[str]) -> None:
 
 def wrap_model_forward(run_step) -> None:
     """Every model forward of the V1 runner goes through `run_step(forward, n_tokens, n_real,
-    scan)` (touch point 7): `forward()` runs the pass and may be called again (a replay)."""
+    scan, input_ids)` (touch point 7): `forward()` runs the pass and may be called again (a
+    replay); `input_ids` (None with input embeddings) feed the expert predictor."""
     from vllm.forward_context import get_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -274,7 +275,7 @@ def wrap_model_forward(run_step) -> None:
         n_real = n_tokens if padding is None else int((~padding[:n_tokens]).sum())
         # a step with more tokens than its requests decode is (partly) prefill: a scan
         scan = n_real > self.input_batch.num_reqs * (1 + getattr(self, "num_spec_tokens", 0))
-        return run_step(forward, n_tokens, n_real, scan)
+        return run_step(forward, n_tokens, n_real, scan, input_ids)
 
     _model_forward.__moet__ = True
     GPUModelRunner._model_forward = _model_forward

@@ -48,6 +48,7 @@ class MoetConfig:
     max_replays: int = 4  # replays per step (second-order misses) before the step fails
     kpi_every: int = 100  # steps between KPI log lines (0: off)
     below_floor_ok: bool = False  # consent to a pool below the boot floor (replays every step)
+    predict: bool = True  # fetch the experts a decode step's tokens are predicted to route first
     # -- checkpoint metadata (read from the checkpoint, never set by users) --
     modules_not_converted: tuple[str, ...] = ()
     source_format: str | None = None
@@ -81,6 +82,7 @@ USER_FIELDS = (
     "max_replays",
     "kpi_every",
     "below_floor_ok",
+    "predict",
 )
 INT_FIELDS = {"miss_tolerance": 0, "max_replays": 1, "kpi_every": 0}  # field -> minimum
 # what a running server takes from `moet tune` (residency/metrics.py's run directory)
@@ -139,7 +141,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if text.isascii() and text.isdigit() and int(text) > 0:
             return text
         raise bad('"all", a number of expert slots (> 0), or a percentage of the experts ("25%")')
-    if name in ("pack_cache", "below_floor_ok"):
+    if name in ("pack_cache", "below_floor_ok", "predict"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()

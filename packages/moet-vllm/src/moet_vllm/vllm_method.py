@@ -465,6 +465,7 @@ class MoetQuantConfig(QuantizationConfig):
             max_replays=cfg.max_replays,
             kpi_every=cfg.kpi_every,
             hot_path=session.cache.hot_path(),
+            predict=cfg.predict,
             rank=layer.moe_config.tp_rank,
         )
         session.source.close()

@@ -11,9 +11,11 @@ One `ResidencyManager` per worker process serves every MoE layer of the model:
   tiered), the source of every fetch;
 * the policy (`policy.ResidencyPolicy`): which experts to fetch into which slots, which to evict.
 
-`run_forward(forward, ...)` is the runner hook's body: zero the counters, run the forward, read the
-miss counter (the one sync), and while experts were missing fetch them all in one batch, publish
-their slots and replay the same forward, up to `max_replays` times. A step that still misses fails
+`run_forward(forward, ...)` is the runner hook's body: on a decode step, first fetch the experts
+its input tokens are predicted to route (`policy.plan_ahead`, one batch); then zero the counters,
+run the forward, read the miss counter (the one sync), and while experts were missing fetch them
+all in one batch, publish their slots and replay the same forward, up to `max_replays` times;
+last, the policy learns what each input token routed (`policy.learn`). A step that still misses fails
 (strict, the default) or, in approximate mode, is served and counted as unrestored. The MTP
 drafter's layer (its experts only ever routed by drafter passes, which are not replayed) is
 pinned resident, outside the policy's pool.
@@ -35,7 +37,7 @@ import torch
 from ..compat import MoetVllmError
 from ..config import coerce_runtime
 from .metrics import Publisher, TuneWatcher
-from .policy import ResidencyPolicy, key_pairs
+from .policy import Plan, ResidencyPolicy, key_pairs
 
 log = logging.getLogger("vllm.moet")
 _active: ResidencyManager | None = None
@@ -67,6 +69,8 @@ class Counters:
     unrestored_steps: int = 0  # approximate mode: served with zeroed experts
     skipped_pairs: int = 0  # approximate mode: missed pairs served as zero
     fetch_retries: int = 0
+    predicted_steps: int = 0  # decode steps that fetched predicted experts before their forward
+    predicted_rows: int = 0  # rows of those fetches (also in fetched_rows)
     window: dict = field(default_factory=dict)  # the counters at the last KPI line
 
 
@@ -86,6 +90,7 @@ class ResidencyManager:
         kpi_every: int = 100,
         fetch_attempts: int = 3,
         hot_path: Path | None = None,
+        predict: bool = True,
         reduce_max=None,
         rank: int = 0,
         device: str | torch.device = "cpu",
@@ -106,7 +111,11 @@ class ResidencyManager:
         self.slot_table = self.slot_table.to(device)
         self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.routed = torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, device=device)
-        self.policy = ResidencyPolicy(n_slots, len(self.tiered), n_experts)
+        self.policy = ResidencyPolicy(
+            n_slots, len(self.tiered), n_experts, **({} if predict else {"predict_threshold": 0.0})
+        )
+        self._token_ids: np.ndarray | None = None  # the step's input tokens, when predicting
+        self._routes: dict[int, torch.Tensor] = {}  # tiered ordinal -> this pass's ids
         self.miss_mode, self.miss_tolerance = miss_mode, miss_tolerance
         self.max_replays, self.kpi_every = max_replays, kpi_every
         self.fetch_attempts = fetch_attempts
@@ -132,6 +141,8 @@ class ResidencyManager:
         the staging slots first and the returned table points there (they never enter the pool)."""
         o = self.moe_layers.index(model_layer)
         table = self.slot_table[o]
+        if self._token_ids is not None:  # what each token routes, for the predictor
+            self._routes[o] = ids[: self.n_real_tokens]
         if not self.streaming:
             return table, self.routed[o]
         routed = torch.unique(ids[: self.n_real_tokens]).long()
@@ -178,7 +189,20 @@ class ResidencyManager:
         for o, e in pairs:
             self.slot_table[self.tiered[o], e] = -1
         fetch = [(self.tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, self.n_experts)]
-        self._copy_rows(fetch, plan.fetch_slots)  # a failure publishes nothing
+        try:
+            self._copy_rows(fetch, plan.fetch_slots)  # a failure publishes nothing
+        except MoetResidencyError:
+            # the victims' slots may hold part of a new row: they leave the pool (in the policy's
+            # mirror too), and nothing fetched is published
+            if len(plan.evict_keys):
+                self.policy.commit(
+                    Plan(
+                        evict_keys=plan.evict_keys,
+                        evict_slots=plan.evict_slots,
+                        version=plan.version,
+                    )
+                )
+            raise
         for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
             self.slot_table[o, e] = int(slot)
         self.policy.commit(plan, scan)
@@ -196,13 +220,27 @@ class ResidencyManager:
 
     # -- the runner hook --
 
-    def run_forward(self, forward, scan: bool = False, n_real: int | None = None):
+    def run_forward(self, forward, scan: bool = False, n_real: int | None = None, token_ids=None):
         """Run `forward()` (one model forward pass) until every expert it routes is resident.
-        `n_real`: rows of the batch that are real tokens (padding never counts a miss)."""
+        `n_real`: rows of the batch that are real tokens (padding never counts a miss);
+        `token_ids`: the batch's input token ids (int [tokens]; None: no prediction)."""
         self.n_real_tokens = n_real
         self._apply_tuning()
         c = self.counters
         missed_first = 0
+        self._token_ids, self._routes = None, {}
+        if token_ids is not None and self.policy.predicts:
+            toks = torch.as_tensor(token_ids)[:n_real].to("cpu", torch.int64).numpy()
+            self._token_ids = toks
+            if not scan and len(toks):  # a prefill never evicts for a guess
+                plan = self.policy.plan_ahead(toks)
+                if len(plan.fetch_keys):
+                    try:  # one batched fetch, before the first forward pass
+                        self.apply(plan)
+                        c.predicted_steps += 1
+                        c.predicted_rows += len(plan.fetch_keys)
+                    except MoetResidencyError as e:  # a guess: the demand fetch decides
+                        log.warning("moet: the predicted fetch failed, continuing: %s", e)
         for attempt in range(self.max_replays + 1):
             self.miss_count.zero_()
             self.routed.zero_()
@@ -240,12 +278,25 @@ class ResidencyManager:
         c.missing_pairs += missed_first
         if not scan:
             self.policy.observe(keys)
+        self._learn_tokens()
         kpi = bool(self.kpi_every) and c.steps % self.kpi_every == 0
         if kpi:
             log.info("%s", self.kpi_line())
             self.save_hot_set()
         self.publisher.publish(c, self.coverage, force=kpi)
         return out
+
+    def _learn_tokens(self) -> None:
+        """Teach the policy what each input token of the step routed (the last pass's ids)."""
+        toks, routes = self._token_ids, self._routes
+        self._token_ids, self._routes = None, {}
+        if toks is None or len(toks) == 0 or any(o not in routes for o in self.tiered):
+            return
+        keys = [
+            routes[o].to("cpu", torch.int64).numpy() + i * self.n_experts
+            for i, o in enumerate(self.tiered)
+        ]
+        self.policy.learn(toks, np.concatenate(keys, axis=1))
 
     def _apply_tuning(self) -> None:
         values = self.tune.poll()
@@ -317,6 +368,7 @@ class ResidencyManager:
         pairs = (c.missing_pairs - w.get("missing_pairs", 0)) / max(steps, 1)
         second = c.second_order - w.get("second_order", 0)
         unrestored = c.unrestored_steps - w.get("unrestored_steps", 0)
+        predicted = 100.0 * (c.predicted_steps - w.get("predicted_steps", 0)) / max(steps, 1)
         stats = self.store.stats() if hasattr(self.store, "stats") else {}
         hits, misses = stats.get("hit_rows", 0), stats.get("miss_rows", 0)
         arena = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
@@ -328,12 +380,14 @@ class ResidencyManager:
                 "missing_pairs",
                 "second_order",
                 "unrestored_steps",
+                "predicted_steps",
             )
         }
         return (
             f"moet KPI: {steps} steps: replay {pct:.1f}% of steps, {pairs:.2f} missing pairs/step, "
             f"pool coverage {100 * self.coverage:.1f}%, second-order replays {second}, "
-            f"unrestored steps {unrestored}, arena hit {arena}"
+            f"unrestored steps {unrestored}, arena hit {arena}, predicted fetches {predicted:.1f}% "
+            "of steps"
         )
 
     def close(self) -> None:
@@ -374,8 +428,8 @@ def activate(manager: ResidencyManager) -> None:
     )
 
 
-def run_step(forward, n_tokens: int, n_real: int, scan: bool):
+def run_step(forward, n_tokens: int, n_real: int, scan: bool, token_ids=None):
     """The runner hook's body (compat touch point 7)."""
     if _active is None:
         return forward()
-    return _active.run_forward(forward, scan=scan, n_real=n_real)
+    return _active.run_forward(forward, scan=scan, n_real=n_real, token_ids=token_ids)

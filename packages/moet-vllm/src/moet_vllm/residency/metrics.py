@@ -41,6 +41,11 @@ COUNTERS = {
     "streamed_steps": ("moet_streamed_steps", "Steps larger than the pool, streamed per layer"),
     "unrestored_steps": ("moet_unrestored_steps", "Steps served with zeroed experts (approx.)"),
     "fetch_retries": ("moet_fetch_retries", "Host-tier reads retried"),
+    "predicted_steps": (
+        "moet_predicted_steps",
+        "Decode steps that fetched predicted experts before their forward pass",
+    ),
+    "predicted_rows": ("moet_predicted_experts", "Expert rows fetched on a prediction"),
 }
 
 

@@ -14,11 +14,17 @@ A step, as the manager drives it::
     #   slot_table[l, e] = slot; a failed copy publishes nothing and the plan is simply dropped
     policy.commit(plan)                       # the host mirror follows the published table
     policy.observe(decode_routed)             # once per step, after its last forward pass
+    policy.learn(tokens, token_keys)          # what each input token routed (the predictor)
 
-:meth:`ResidencyPolicy.step` does the three at once (the simulator, tests). Rules:
+and, before a decode step's first forward pass, ``plan_ahead(tokens)`` (the predicted fetch).
+:meth:`ResidencyPolicy.step` does plan + commit + observe at once (the simulator, tests). Rules:
 
-- **Demand only.** A key enters the pool when a step routes it and it is missing (the step then
-  replays with it resident); nothing is prefetched. Free slots are used first, lowest index first.
+- **Demand, and predicted from the tokens.** A key enters the pool when a step routes it and it
+  is missing (the step then replays with it resident), or before a decode step's forward pass
+  when the step's input tokens are predicted to route it (:class:`TokenTable`: the share of the
+  earlier occurrences of that token id that routed it is at least ``predict_threshold``); the
+  predicted keys are pinned while that fetch is planned. Free slots are used first, lowest index
+  first. Nothing else is prefetched.
 - **Pins.** Every key routed by the current step (decode and scan alike, and for a second-order
   replay the union of the step's passes) is pinned: it is never a victim while the step runs.
   The one exception: when a step's decode and scan keys together outnumber the slots, decode
@@ -40,11 +46,19 @@ chosen on the policy simulator (docs/residency.md, bench/residency.py --tune): o
 drifts with the text (an expert hot for a few hundred tokens, then cold), which long memories
 follow too slowly (LFU replayed up to 3x more often on the DeepSeek-shaped trace), while 32 steps
 still ranks an expert routed every few steps above one routed once.
+
+The prediction: a step's input tokens are known before its forward pass, and which experts a
+token routes depends much on the token itself (on the fixture model's test split the experts
+that token id routed most often before are 60-71% of those it routes, the previous token's 16-22%).
+Fetching them before the forward turns would-be replays into one batched copy without a second
+forward pass; on the fixture's trace it brought decayed frequency's replay % (2.0-3.0x Belady's)
+to 0.8-1.4x Belady's, for 3-6x the rows fetched (docs/residency.md). The default threshold,
+:data:`DEFAULT_PREDICT_THRESHOLD` = 0.1, is the simulator's trade between the two.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +66,12 @@ import numpy as np
 DEFAULT_HALF_LIFE_STEPS = 32.0
 #: Share of the pool (the hottest resident keys) that a scan may never evict.
 DEFAULT_PROTECTED_FRACTION = 0.8
+#: P(key | input token id) from which a key is fetched before the forward pass (0: no prediction).
+DEFAULT_PREDICT_THRESHOLD = 0.1
+#: Host memory of the token table (:class:`TokenTable`); token ids share rows beyond it.
+DEFAULT_TABLE_BYTES = 256 << 20
+#: Rows of the token table at most (more than the vocabularies of the models served).
+MAX_TABLE_ROWS = 1 << 18
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -90,7 +110,9 @@ class Plan:
     batched H2D copy), then publish ``slot_table[l, e] = slot`` for the fetches. ``fetch_slots``
     reuse free slots and the slots of ``evict_keys``. ``unplaced_keys`` are scan keys that found no
     free or probation slot (never decode keys). ``version`` ties the plan to the policy state it was
-    computed from: :meth:`ResidencyPolicy.commit` refuses a stale plan.
+    computed from: :meth:`ResidencyPolicy.commit` refuses a stale plan. The last ``n_prefetch``
+    fetches are prefetches, not missing keys (the simulator's prefetching policies; the serving
+    policy fetches on demand only).
     """
 
     fetch_keys: np.ndarray = field(default_factory=lambda: _EMPTY)
@@ -100,11 +122,12 @@ class Plan:
     unplaced_keys: np.ndarray = field(default_factory=lambda: _EMPTY)
     version: int = 0
     preload: bool = False
+    n_prefetch: int = 0
 
     @property
     def n_missing(self) -> int:
         """Routed keys that were not resident at the start of the step."""
-        return len(self.fetch_keys) + len(self.unplaced_keys)
+        return len(self.fetch_keys) - self.n_prefetch + len(self.unplaced_keys)
 
     @property
     def replay(self) -> bool:
@@ -132,6 +155,71 @@ def lowest(cands: np.ndarray, n: int, *orders: np.ndarray) -> np.ndarray:
     return cands[order]
 
 
+class TokenTable:
+    """Which keys each input token id routed: P(key | token), counted online, in bounded memory.
+
+    One row of uint16 counts per token id (``counts[row, key]``, ``seen[row]`` occurrences), at
+    most ``max_bytes`` of them and :data:`MAX_TABLE_ROWS` (allocated zeroed, so untouched rows
+    cost no memory). A token id
+    owns row ``token % rows`` (``tag``); when another id maps there, each of its occurrences
+    takes one from the owner's ``seen``, and the row changes hands when that reaches 0 (the
+    frequent ids keep their rows, as in a Misra-Gries summary). A row halves its counts before
+    they would overflow. Nothing else: the table never touches the pool.
+    """
+
+    def __init__(self, n_keys: int, max_bytes: int = DEFAULT_TABLE_BYTES) -> None:
+        self.n_keys = int(n_keys)
+        self.rows = int(min(max(max_bytes // (2 * self.n_keys), 1), MAX_TABLE_ROWS))
+        self.counts = np.zeros((self.rows, self.n_keys), dtype=np.uint16)
+        self.seen = np.zeros(self.rows, dtype=np.int64)
+        self.tag = np.full(self.rows, -1, dtype=np.int64)
+
+    def learn(self, tokens: np.ndarray, token_keys: np.ndarray) -> None:
+        """``tokens`` int [n]: input token ids; ``token_keys`` int [n, k]: the flat keys each one
+        routed (every MoE layer's top-k)."""
+        tokens = np.asarray(tokens, dtype=np.int64).ravel()
+        token_keys = np.asarray(token_keys, dtype=np.int64).reshape(len(tokens), -1)
+        if len(tokens) == 0:
+            return
+        if int(tokens.min()) < 0:
+            raise ValueError("token ids must be >= 0")
+        uniq, inv, occ = np.unique(tokens, return_inverse=True, return_counts=True)
+        rows = uniq % self.rows
+        for i in np.flatnonzero(self.tag[rows] != uniq):  # another id's row: worn down
+            row, tok, n = int(rows[i]), int(uniq[i]), int(occ[i])
+            if self.seen[row] > n:
+                self.seen[row] -= n
+            else:  # taken over, with the new id's own counts only
+                self.tag[row], self.seen[row] = tok, 0
+                self.counts[row] = 0
+        take = (self.tag[rows] == uniq)[inv]  # (two new ids of one row: the last one wins)
+        if not take.any():
+            return
+        trows = rows[inv[take]]
+        hot, n_hot = np.unique(trows, return_counts=True)
+        full = hot[self.seen[hot] + n_hot >= 0xFFFF]
+        if len(full):  # halve before a count could overflow (counts <= seen)
+            self.counts[full] //= 2
+            self.seen[full] //= 2
+        self.seen[hot] += n_hot
+        keys = token_keys[take]
+        flat = self.counts.reshape(-1)
+        np.add.at(flat, (trows[:, None] * self.n_keys + keys).ravel(), 1)
+
+    def predict(self, tokens: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, P) of the keys that some token of ``tokens`` routed with a share >= threshold,
+        most likely first (ties: lowest key id). Unknown tokens predict nothing."""
+        tokens = np.unique(np.asarray(tokens, dtype=np.int64).ravel())
+        rows = tokens % self.rows
+        rows = rows[(self.tag[rows] == tokens) & (self.seen[rows] > 0)]
+        if len(rows) == 0 or threshold <= 0:
+            return _EMPTY, np.zeros(0)
+        prob = (self.counts[rows] / self.seen[rows, None].astype(np.float64)).max(axis=0)
+        keys = np.flatnonzero(prob >= threshold)
+        keys = lowest(keys, len(keys), -prob)
+        return keys, prob[keys]
+
+
 class ResidencyPolicy:
     """Slot assignment and decayed-frequency eviction for one pool shared by all MoE layers.
 
@@ -147,6 +235,8 @@ class ResidencyPolicy:
         *,
         half_life_steps: float = DEFAULT_HALF_LIFE_STEPS,
         protected_fraction: float = DEFAULT_PROTECTED_FRACTION,
+        predict_threshold: float = DEFAULT_PREDICT_THRESHOLD,
+        table_bytes: int = DEFAULT_TABLE_BYTES,
     ) -> None:
         if n_slots < 1 or moe_layers < 1 or n_experts < 1:
             raise ValueError("n_slots, moe_layers and n_experts must be >= 1")
@@ -154,6 +244,8 @@ class ResidencyPolicy:
             raise ValueError(f"half_life_steps must be > 0, got {half_life_steps}")
         if not 0.0 <= protected_fraction <= 1.0:
             raise ValueError(f"protected_fraction must be in [0, 1], got {protected_fraction}")
+        if not 0.0 <= predict_threshold <= 1.0:
+            raise ValueError(f"predict_threshold must be in [0, 1], got {predict_threshold}")
         self.n_slots = int(n_slots)
         self.moe_layers = int(moe_layers)
         self.n_experts = int(n_experts)
@@ -167,6 +259,8 @@ class ResidencyPolicy:
         self.last_use = np.full(n_keys, -1, dtype=np.int64)  # step of the last decode or scan use
         self.steps = 0  # steps observed
         self.version = 0  # commits applied
+        self.predict_threshold = float(predict_threshold)
+        self.tokens = TokenTable(n_keys, table_bytes) if self.predict_threshold > 0 else None
 
     # -- what the manager calls -------------------------------------------------------------
 
@@ -246,6 +340,33 @@ class ResidencyPolicy:
             unplaced_keys=unplaced,
             version=self.version,
         )
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the policy fetches predicted keys before the forward (and learns tokens)."""
+        return self.tokens is not None
+
+    def plan_ahead(self, tokens: np.ndarray) -> Plan:
+        """The fetch before a decode step's first forward pass: the keys its input ``tokens`` are
+        predicted to route (:class:`TokenTable`, share >= ``predict_threshold``) that are not
+        resident. Planned like a demand fetch of the predicted keys (they are the pins; victims
+        are the coldest other keys); the plan's fetches are prefetches (``n_prefetch``), so it
+        is no replay. Pure, like :meth:`plan`; empty without prediction."""
+        if self.tokens is None:
+            return Plan(version=self.version)
+        keys, _ = self.tokens.predict(tokens, self.predict_threshold)
+        if len(keys) == 0:
+            return Plan(version=self.version)
+        plan = self.plan(keys[: self.n_slots])
+        return replace(plan, n_prefetch=len(plan.fetch_keys))
+
+    def learn(self, tokens: np.ndarray, token_keys: np.ndarray) -> None:
+        """After a step (decode or prefill): ``token_keys`` int [n, k] are the flat keys that each
+        of its input ``tokens`` int [n] routed (the last forward pass's routing)."""
+        if self.tokens is not None:
+            token_keys = np.asarray(token_keys, dtype=np.int64)
+            self._check(token_keys)
+            self.tokens.learn(tokens, token_keys)
 
     def plan_preload(self, keys: np.ndarray) -> Plan:
         """A warm start: fetch ``keys`` (the persisted hot set, hottest first) into free slots.

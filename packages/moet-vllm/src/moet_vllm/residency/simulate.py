@@ -37,20 +37,49 @@ the pool holds R_b plus the kept intervals crossing b, at most ``n_slots``.
   1 in 1000 and never worse than MIN, but it is not proven optimal either. So replay % has a
   bracket: :func:`replay_lower_bound` (the LP relaxation's dual: no schedule, online or offline,
   replays fewer steps) <= optimum <= ``belady`` (a feasible schedule).
+
+**Fetching more than the missing keys.** A replayed step costs one more forward pass and one
+batched copy, whatever the copy holds (up to its bytes), so a policy may also fetch keys no step
+has asked for yet. Two models, outside the demand-only one above (so neither MIN, ``belady`` nor
+:func:`replay_lower_bound` bounds them):
+
+- *Prefetch on replay steps* (``decay+pf``, ``min+pf``): a replayed step fetches up to
+  ``prefetch`` more keys besides its missing ones; a replay-free step fetches nothing. ``min+pf``
+  is its clairvoyant reference (MIN's victims, the keys routed soonest prefetched). Whatever the
+  fetch budget and the information, a schedule that changes the pool only at replay steps cannot
+  replay fewer steps than :func:`prefetch_lower_bound` (exact for an unbounded budget).
+- *Fetch before the forward* (``predict``): before a step runs, the experts its input tokens are
+  predicted to route (learned online from what each token id routed before) are fetched; the step
+  replays only if the prediction missed some. It needs the tokens of the trace. With perfect
+  information it would never replay, so its currency is the steps that fetch before the forward
+  and the bytes, next to the replays.
+
+**What no online policy can beat** (synthetic traces): a synthetic token routes its top-k experts
+of each layer as a draw from weights that only the generator's hidden state (topic and phrase)
+determines (:func:`~moet_vllm.residency.traces.synthetic_state`). Whatever an online policy does,
+in any of the models above, the pool it holds when a step starts was chosen before the step's
+draw, so the step is replay-free with probability at most ``max_{|S| <= n_slots} P(R_t within
+S | state)``; :func:`online_clean_bound` bounds that and sums the expected replays.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .policy import ResidencyPolicy, lowest
+from .policy import DEFAULT_PREDICT_THRESHOLD, Plan, ResidencyPolicy, lowest
 
 ONLINE = ("lru", "lfu", "decay")
 OFFLINE = ("min", "belady")
 POLICIES = ONLINE + OFFLINE
+#: prefetch on replay steps: online (decayed frequency) and its clairvoyant reference
+PREFETCHING = ("decay+pf", "min+pf")
+#: fetch before the forward what the step's input tokens are predicted to route (needs tokens)
+PREDICT = "predict"
+#: extra keys a replayed step fetches, by default (decay+pf, min+pf)
+DEFAULT_PREFETCH = 16
 
 
 def decode_steps(ids: np.ndarray, n_experts: int, batch: int = 1) -> np.ndarray:
@@ -99,7 +128,7 @@ class BeladyPolicy(ResidencyPolicy):
     def __init__(
         self, n_slots: int, moe_layers: int, n_experts: int, steps: np.ndarray, step_aware: bool
     ) -> None:
-        super().__init__(n_slots, moe_layers, n_experts)
+        super().__init__(n_slots, moe_layers, n_experts, predict_threshold=0.0)
         self.step_aware = step_aware
         self._uniq = unique_steps(steps)
         self.never = len(self._uniq)
@@ -130,19 +159,174 @@ class BeladyPolicy(ResidencyPolicy):
         self.steps += 1
 
 
+class PrefetchOnReplay:
+    """Mixin: a replayed decode step also fetches up to ``prefetch`` keys that are not resident,
+    best first in the policy's own order (:meth:`_rank`), each into a free slot or the slot of the
+    lowest-ranked unpinned resident key, and only while the fetched key ranks strictly above the
+    key it displaces. A replay-free step fetches nothing. The prefetches come last in
+    ``Plan.fetch_keys`` (``Plan.n_prefetch``)."""
+
+    prefetch: int = 0
+
+    def _rank(self) -> tuple[np.ndarray, ...]:
+        """Per-key orders, lowest first = evicted first (ties: the next order, then the id)."""
+        raise NotImplementedError
+
+    def _prefetchable(self) -> np.ndarray:
+        """bool [n_keys]: keys worth fetching at all."""
+        raise NotImplementedError
+
+    def plan(self, routed, scan=None) -> Plan:
+        plan = super().plan(routed, scan)
+        if not plan.replay or self.prefetch <= 0 or (scan is not None and len(scan)):
+            return plan
+        table = self.slot_table.ravel().copy()
+        table[plan.evict_keys] = -1
+        table[plan.fetch_keys] = plan.fetch_slots
+        occupied = self.slot_keys >= 0
+        occupied[plan.evict_slots] = False
+        occupied[plan.fetch_slots] = True
+        orders = self._rank()
+        cands = np.flatnonzero((table < 0) & self._prefetchable())
+        cands = lowest(cands, min(self.prefetch, len(cands)), *[-o for o in orders])
+        if len(cands) == 0:
+            return plan
+        free = np.flatnonzero(~occupied)[: len(cands)]
+        pinned = np.zeros(self.n_keys, dtype=bool)
+        pinned[np.asarray(routed, dtype=np.int64).ravel()] = True
+        resident = np.flatnonzero(table >= 0)
+        victims = lowest(resident[~pinned[resident]], len(cands) - len(free), *orders)
+        n_swap = 0
+        for c, v in zip(cands[len(free) :], victims):
+            if not _outranks(orders, c, v):
+                break
+            n_swap += 1
+        victims = victims[:n_swap]
+        keys = cands[: len(free) + n_swap]
+        if len(keys) == 0:
+            return plan
+        vslots = table[victims].astype(np.int64)
+        return replace(
+            plan,
+            fetch_keys=np.concatenate([plan.fetch_keys, keys]),
+            fetch_slots=np.concatenate([plan.fetch_slots, free, vslots]),
+            evict_keys=np.concatenate([plan.evict_keys, victims]),
+            evict_slots=np.concatenate([plan.evict_slots, vslots]),
+            n_prefetch=len(keys),
+        )
+
+
+def _outranks(orders: tuple[np.ndarray, ...], a: int, b: int) -> bool:
+    """Whether key ``a`` sorts strictly after key ``b`` (is kept before it)."""
+    for o in orders:
+        if o[a] != o[b]:
+            return bool(o[a] > o[b])
+    return False
+
+
+class DecayPrefetchPolicy(PrefetchOnReplay, ResidencyPolicy):
+    """Decayed frequency that also prefetches on replay steps (``decay+pf``): the keys of highest
+    decayed frequency that are not resident."""
+
+    def __init__(self, n_slots, moe_layers, n_experts, *, prefetch=DEFAULT_PREFETCH, **knobs):
+        super().__init__(n_slots, moe_layers, n_experts, **knobs)
+        self.prefetch = int(prefetch)
+
+    def _rank(self):
+        return (self.score, self.last_use)
+
+    def _prefetchable(self):
+        return self.score > 0
+
+
+class MinPrefetchPolicy(PrefetchOnReplay, BeladyPolicy):
+    """``min+pf``, offline: MIN's victims, and on replay steps the keys routed soonest."""
+
+    def __init__(self, n_slots, moe_layers, n_experts, steps, *, prefetch=DEFAULT_PREFETCH):
+        super().__init__(n_slots, moe_layers, n_experts, steps, step_aware=False)
+        self.prefetch = int(prefetch)
+
+    def _rank(self):
+        return (-self.next_use,)
+
+    def _prefetchable(self):
+        return self.next_use < self.never
+
+
+class PredictPolicy(ResidencyPolicy):
+    """The serving policy driven by a trace with tokens (``predict``): before each step's forward
+    pass, :meth:`~ResidencyPolicy.plan_ahead` of the step's input tokens; after it,
+    :meth:`~ResidencyPolicy.learn` from what each of them routed. ``tokens`` int [steps, batch]:
+    the input token ids of each step; ``token_keys`` int [steps, batch, keys per token]: the flat
+    keys each of them routed."""
+
+    def __init__(self, n_slots, moe_layers, n_experts, tokens, token_keys, **knobs):
+        knobs.setdefault("predict_threshold", DEFAULT_PREDICT_THRESHOLD)
+        super().__init__(n_slots, moe_layers, n_experts, **knobs)
+        self.step_tokens = np.asarray(tokens, dtype=np.int64)
+        self.token_keys = np.asarray(token_keys, dtype=np.int64)
+        if self.step_tokens.shape != self.token_keys.shape[:2]:
+            raise ValueError("tokens [steps, batch] and token_keys [steps, batch, k] must agree")
+
+    def before_step(self, t: int) -> Plan:
+        """The fetch before step ``t``'s forward pass (an empty plan when nothing is predicted)."""
+        return self.plan_ahead(self.step_tokens[t])
+
+    def observe(self, routed) -> None:
+        t = self.steps
+        self.learn(self.step_tokens[t], self.token_keys[t])
+        super().observe(routed)
+
+
+def step_tokens(ids: np.ndarray, tokens: np.ndarray, n_experts: int, batch: int = 1):
+    """For ``predict``: (int64 [steps, batch] input token ids, int64 [steps, batch, moe_layers *
+    top_k] the flat keys each routed), cut into steps as :func:`decode_steps` does."""
+    n_tok, n_layers, k = ids.shape
+    if len(tokens) < n_tok:
+        raise ValueError(f"{len(tokens)} tokens for a trace of {n_tok}")
+    n = n_tok // batch
+    toks = np.asarray(tokens[: n * batch], dtype=np.int64).reshape(batch, n).T
+    flat = np.arange(n_layers, dtype=np.int64)[None, :, None] * n_experts + ids.astype(np.int64)
+    keys = flat[: n * batch].reshape(batch, n, n_layers * k).transpose(1, 0, 2)
+    return np.ascontiguousarray(toks), np.ascontiguousarray(keys)
+
+
 def make_policy(
-    name: str, n_slots: int, moe_layers: int, n_experts: int, steps: np.ndarray, **knobs
+    name: str,
+    n_slots: int,
+    moe_layers: int,
+    n_experts: int,
+    steps: np.ndarray,
+    *,
+    prefetch: int = DEFAULT_PREFETCH,
+    tokens: np.ndarray | None = None,
+    token_keys: np.ndarray | None = None,
+    **knobs,
 ) -> ResidencyPolicy:
-    """A fresh policy by name (``POLICIES``); ``knobs`` go to the decayed-frequency policy."""
+    """A fresh policy by name (``POLICIES``, ``PREFETCHING``, ``PREDICT``); ``knobs`` go to the
+    decayed-frequency policy (and to ``predict``, which needs ``tokens`` and ``token_keys``:
+    :func:`step_tokens`). Only ``predict`` predicts: the others get ``predict_threshold=0``."""
+    if name == PREDICT:
+        if tokens is None or token_keys is None:
+            raise ValueError("'predict' needs the trace's tokens and the keys each one routed")
+        return PredictPolicy(n_slots, moe_layers, n_experts, tokens, token_keys, **knobs)
+    knobs["predict_threshold"] = 0.0
     if name == "decay":
         return ResidencyPolicy(n_slots, moe_layers, n_experts, **knobs)
     if name == "lfu":
-        return ResidencyPolicy(n_slots, moe_layers, n_experts, half_life_steps=math.inf)
+        return ResidencyPolicy(
+            n_slots, moe_layers, n_experts, half_life_steps=math.inf, predict_threshold=0.0
+        )
     if name == "lru":
-        return LRUPolicy(n_slots, moe_layers, n_experts)
+        return LRUPolicy(n_slots, moe_layers, n_experts, predict_threshold=0.0)
     if name in OFFLINE:
         return BeladyPolicy(n_slots, moe_layers, n_experts, steps, step_aware=name == "belady")
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    if name == "decay+pf":
+        return DecayPrefetchPolicy(n_slots, moe_layers, n_experts, prefetch=prefetch, **knobs)
+    if name == "min+pf":
+        return MinPrefetchPolicy(n_slots, moe_layers, n_experts, steps, prefetch=prefetch)
+    known = (*POLICIES, *PREFETCHING, PREDICT)
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(known)}")
 
 
 @dataclass
@@ -151,8 +335,10 @@ class SimResult:
     n_slots: int
     steps: int  # measured steps (after the warm-up)
     replay_steps: int
-    missing_pairs: int
-    bytes_fetched: int
+    missing_pairs: int  # routed keys not resident when their step's first pass ran
+    bytes_fetched: int  # every fetched row (missing, prefetched, fetched before the forward)
+    fetched_rows: int = 0
+    early_fetch_steps: int = 0  # steps that fetched before their forward pass (predict)
 
     @property
     def replay_pct(self) -> float:
@@ -162,11 +348,21 @@ class SimResult:
     def missing_per_step(self) -> float:
         return self.missing_pairs / max(self.steps, 1)
 
+    @property
+    def rows_per_step(self) -> float:
+        return self.fetched_rows / max(self.steps, 1)
+
+    @property
+    def early_fetch_pct(self) -> float:
+        return 100.0 * self.early_fetch_steps / max(self.steps, 1)
+
     def as_dict(self) -> dict:
         return {
             **asdict(self),
             "replay_pct": self.replay_pct,
             "missing_per_step": self.missing_per_step,
+            "rows_per_step": self.rows_per_step,
+            "early_fetch_pct": self.early_fetch_pct,
         }
 
 
@@ -181,18 +377,27 @@ def simulate(
 ) -> SimResult:
     """Drive ``policy`` through every step (``decode_steps``); count the steps from ``warmup`` on.
 
-    ``initial``: keys preloaded before the first step, hottest first (a warm start).
+    ``initial``: keys preloaded before the first step, hottest first (a warm start). A policy with
+    a ``before_step(t)`` method (``predict``) fetches what it returns before step t's forward.
     """
     if initial is not None:
         policy.commit(policy.plan_preload(initial))
-    replays = pairs = 0
+    before = getattr(policy, "before_step", None)
+    replays = pairs = rows = early = 0
     for t, routed in enumerate(steps):
+        n_early = 0
+        if before is not None:
+            pre = before(t)
+            policy.commit(pre)
+            n_early = len(pre.fetch_keys)
         plan = policy.step(routed)
         if t >= warmup:
             replays += plan.replay
             pairs += plan.n_missing
+            rows += len(plan.fetch_keys) + n_early
+            early += n_early > 0
     n = max(len(steps) - warmup, 0)
-    return SimResult(name, policy.n_slots, n, replays, pairs, pairs * slot_bytes)
+    return SimResult(name, policy.n_slots, n, replays, pairs, rows * slot_bytes, rows, early)
 
 
 def run_policy(
@@ -207,7 +412,7 @@ def run_policy(
     slot_bytes: int = 1,
     **knobs,
 ) -> SimResult:
-    """``simulate`` a fresh policy by name."""
+    """``simulate`` a fresh policy by name (``knobs``: see :func:`make_policy`)."""
     pol = make_policy(name, n_slots, moe_layers, n_experts, steps, **knobs)
     return simulate(pol, steps, warmup=warmup, initial=initial, slot_bytes=slot_bytes, name=name)
 
@@ -315,3 +520,70 @@ def replay_lower_bound(
         lam = np.maximum(0.0, lam - theta * max(val - goal, 1e-3) / gg * g)
     clean_max = math.floor(best + 1e-6)
     return n_window - min(clean_max, n_window)
+
+
+def prefetch_lower_bound(
+    steps: np.ndarray | list[np.ndarray], n_slots: int, *, warmup: int = 0
+) -> int:
+    """Replay steps in ``[warmup, steps)`` that no schedule which changes the pool only at replay
+    steps can go below, whatever it fetches there and whatever it knows (prefetching included).
+
+    Between two replays the pool does not change, so it holds every key the steps in between
+    route: the steps cut into runs whose keys fit in ``n_slots``, each run after the first
+    starting with a replay (the pool at ``warmup`` may be anything, as in
+    :func:`replay_lower_bound`). Cutting each run as late as possible gives the fewest runs, so
+    this is exact for an unbounded fetch budget.
+    """
+    uniq = unique_steps(steps) if isinstance(steps, np.ndarray) else list(steps)
+    n_keys = max((int(u.max()) + 1 for u in uniq if len(u)), default=1)
+    held = np.zeros(n_keys, dtype=bool)
+    count = replays = 0
+    for keys in uniq[warmup:]:
+        if len(keys) > n_slots:
+            raise ValueError(f"a step routes {len(keys)} keys, more than {n_slots} slots")
+        new = keys[~held[keys]]
+        if count + len(new) > n_slots:
+            replays += 1
+            held[:] = False
+            held[keys] = True
+            count = len(keys)
+        else:
+            held[new] = True
+            count += len(new)
+    return replays
+
+
+def online_clean_bound(weights, step_tokens: np.ndarray, top_k: int, pools) -> np.ndarray:
+    """Expected replay steps (float64, one per pool size in ``pools``) that no online policy can go
+    below when each token's routing is a Plackett-Luce draw of ``top_k`` distinct experts per
+    layer from weights known in advance (a synthetic trace's hidden state,
+    :meth:`~moet_vllm.residency.traces.SyntheticState.weights`), independent of everything else.
+
+    ``weights(token)`` -> float [moe_layers, E]; ``step_tokens`` int [steps, batch]: the tokens of
+    each counted step. A policy holds some pool S before the step's draw; the step is replay-free
+    when every draw lands in S. Drawing without replacement, each draw lands in S_l with
+    probability at most W(S_l) / W_l (the weight of S_l in layer l's total: removing drawn
+    experts of S_l only lowers the share), so P(replay-free) <= prod over the step's tokens and
+    layers of (W(S_l) / W_l) ** top_k. Its logarithm is concave in the slots given to each layer
+    (the best S_l of a size is the heaviest experts; letting each token choose its own set only
+    raises the bound), so giving slots greedily to the largest gain maximizes it exactly.
+    """
+    pools = np.asarray(pools, dtype=np.int64)
+    step_tokens = np.asarray(step_tokens, dtype=np.int64)
+    if step_tokens.ndim == 1:
+        step_tokens = step_tokens[:, None]
+    out = np.zeros(len(pools), dtype=np.float64)
+    for toks in step_tokens:
+        f = 0.0
+        for tok in toks:
+            w = np.sort(np.asarray(weights(int(tok)), dtype=np.float64), axis=1)[:, ::-1]
+            share = np.cumsum(w, axis=1) / w.sum(axis=1, keepdims=True)
+            f = f + top_k * np.log(np.minimum(share, 1.0))  # [L, E]: f[l, s - 1] for s slots
+        n_layers = f.shape[0]
+        base = float(f[:, top_k - 1].sum())  # every layer needs top_k slots
+        gains = np.sort(np.diff(f[:, top_k - 1 :], axis=1).ravel())[::-1]
+        cum = np.concatenate([[0.0], np.cumsum(gains)])
+        extra = np.clip(pools - n_layers * top_k, -1, len(gains))
+        log_p = np.where(extra < 0, -np.inf, base + cum[np.maximum(extra, 0)])
+        out += 1.0 - np.exp(log_p)
+    return out

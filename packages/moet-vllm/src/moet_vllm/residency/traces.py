@@ -196,14 +196,34 @@ def _set_weights(top: np.ndarray, n_experts: int) -> np.ndarray:
     return out
 
 
-def synthetic_trace(
-    profile: TraceProfile, tokens: int, seed: int, *, alpha: float | None = None, chunk: int = 256
-) -> np.ndarray:
-    """uint16 [tokens, moe_layers, top_k] routed expert ids (each row sorted), seeded."""
+@dataclass(frozen=True)
+class SyntheticState:
+    """The hidden state of a synthetic trace: what an online policy could at best know about the
+    next token (:func:`synthetic_state`). Token ``t`` routes its ``top_k`` distinct experts of each
+    layer as a Plackett-Luce draw (without replacement) from :meth:`weights` ``(t)``."""
+
+    q_topic: np.ndarray  # float32 [topics, moe_layers, E]: popularity and topic set, mixed
+    topic: np.ndarray  # int64 [tokens]: topic of each token
+    phrase: np.ndarray  # int64 [tokens]: phrase of each token
+    phrase_sets: np.ndarray  # int64 [phrases, moe_layers, phrase_experts]
+    phrase_weight: float  # added to each phrase expert's weight (phrase_weight / phrase_experts)
+
+    def weights(self, t: int) -> np.ndarray:
+        """float32 [moe_layers, E]: the (unnormalized) routing weights of token ``t``."""
+        q = self.q_topic[self.topic[t]].copy()
+        idx = self.phrase_sets[self.phrase[t]]
+        np.put_along_axis(q, idx, np.take_along_axis(q, idx, axis=-1) + self.phrase_weight, -1)
+        return q
+
+
+def _generate(
+    profile: TraceProfile, tokens: int, seed: int, alpha: float | None, chunk: int
+) -> tuple[SyntheticState, np.random.Generator]:
+    """The hidden state of a trace and the generator, positioned for the routing draws."""
     p = profile
     alpha = p.alpha if alpha is None else alpha
     rng = np.random.default_rng(seed)
-    L, E, k = p.moe_layers, p.n_experts, p.top_k
+    L, E = p.moe_layers, p.n_experts
     spread = rng.lognormal(0.0, p.layer_spread, size=L)
     spread /= np.exp(np.log(spread).mean())
     rank_w = np.log(np.arange(1, E + 1, dtype=np.float64))[None, :] * -(alpha * spread[:, None])
@@ -230,14 +250,31 @@ def synthetic_trace(
 
     q_topic = w_pop * pop + w_topic * _set_weights(topic_sets, E)
     w_set = np.float32(p.phrase_weight / p.phrase_experts)
-    out = np.empty((tokens, L, k), dtype=np.uint16)
+    return SyntheticState(q_topic, topic, phrase, phrase_sets, w_set), rng
+
+
+def synthetic_trace(
+    profile: TraceProfile, tokens: int, seed: int, *, alpha: float | None = None, chunk: int = 256
+) -> np.ndarray:
+    """uint16 [tokens, moe_layers, top_k] routed expert ids (each row sorted), seeded."""
+    st, rng = _generate(profile, tokens, seed, alpha, chunk)
+    out = np.empty((tokens, profile.moe_layers, profile.top_k), dtype=np.uint16)
     for a in range(0, tokens, chunk):
         b = min(tokens, a + chunk)
-        q = q_topic[topic[a:b]]
-        idx = phrase_sets[phrase[a:b]]
-        np.put_along_axis(q, idx, np.take_along_axis(q, idx, axis=-1) + w_set, axis=-1)
-        out[a:b] = np.sort(_top(rng, q, k), axis=-1)
+        q = st.q_topic[st.topic[a:b]]
+        idx = st.phrase_sets[st.phrase[a:b]]
+        np.put_along_axis(q, idx, np.take_along_axis(q, idx, axis=-1) + st.phrase_weight, axis=-1)
+        out[a:b] = np.sort(_top(rng, q, profile.top_k), axis=-1)
     return out
+
+
+def synthetic_state(
+    profile: TraceProfile, tokens: int, seed: int, *, alpha: float | None = None, chunk: int = 256
+) -> SyntheticState:
+    """The hidden state behind ``synthetic_trace(profile, tokens, seed)``: each token's routing
+    weights (the topic and phrase it belongs to). No online policy can know more about the next
+    token; :func:`~moet_vllm.residency.simulate.online_clean_bound` turns it into a bound."""
+    return _generate(profile, tokens, seed, alpha, chunk)[0]
 
 
 def calibrate_alpha(
