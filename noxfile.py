@@ -199,7 +199,8 @@ def bench(session: nox.Session, what: str) -> None:
     quant: re-quantization MB/s per core vs the float64 spec and a cold read; store: arena hits,
     page-cache misses vs memcpy, O_DIRECT vs dd, pinned H2D (packages/moet-store/README.md);
     vllm_load: vLLM's weight-load phase re-quantizing a >= 2 GB checkpoint vs the pack cache;
-    residency: the expert-pool policy vs Belady on synthetic routing traces (docs/residency.md);
+    residency: the expert-pool policy vs Belady on synthetic and the fixture's routing traces
+    (docs/residency.md);
     residency_serving: vLLM CPU decode tokens/s with a 100/50/25% expert pool vs all resident.
     """
     session.run("python", f"bench/{what}.py", *session.posargs)
