@@ -69,6 +69,8 @@ def lint(session: nox.Session) -> None:
         for p in glob.glob("packages/*/src/**/*.[ch]pp", recursive=True)
         + glob.glob("packages/*/tests/**/*.[ch]pp", recursive=True)
         + glob.glob("packages/*/src/**/*.cu", recursive=True)
+        + glob.glob("packages/*/csrc/**/*.cu", recursive=True)
+        + glob.glob("packages/*/tests/**/*.cu", recursive=True)
     ]
     if cxx:
         session.run("clang-format", "--dry-run", "--Werror", *cxx, external=True)
@@ -190,8 +192,8 @@ def ci(session: nox.Session) -> None:
 @nox.session(python=False)
 @nox.parametrize(
     "what",
-    ["quant", "store", "vllm_load", "residency", "residency_serving"],
-    ids=["quant", "store", "vllm_load", "residency", "residency_serving"],
+    ["quant", "store", "vllm_load", "residency", "residency_serving", "kernels"],
+    ids=["quant", "store", "vllm_load", "residency", "residency_serving", "kernels"],
 )
 def bench(session: nox.Session, what: str) -> None:
     """Benchmarks, not timed tests: ratios to a baseline of the same run; JSON in bench/results/.
@@ -201,7 +203,9 @@ def bench(session: nox.Session, what: str) -> None:
     vllm_load: vLLM's weight-load phase re-quantizing a >= 2 GB checkpoint vs the pack cache;
     residency: the expert-pool policy vs Belady on synthetic and the fixture's routing traces
     (docs/residency.md);
-    residency_serving: vLLM CPU decode tokens/s with a 100/50/25% expert pool vs all resident.
+    residency_serving: vLLM CPU decode tokens/s with a 100/50/25% expert pool vs all resident;
+    kernels: needs a CUDA GPU (bench/h200/kernels.sh on the H200): validates the W2 MoE op against
+    float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md).
     """
     session.run("python", f"bench/{what}.py", *session.posargs)
 

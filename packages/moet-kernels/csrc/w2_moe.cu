@@ -21,12 +21,12 @@
 
 namespace {
 
-constexpr int TOK = 8;            // pairs per job: the mma's N
-constexpr int KCHUNK = 128;       // K per chunk: 4 k-tiles of 32, one 16-byte load per lane
-constexpr int WARPS = 4;          // split-K warps per CTA
+constexpr int TOK = 8;       // pairs per job: the mma's N
+constexpr int KCHUNK = 128;  // K per chunk: 4 k-tiles of 32, one 16-byte load per lane
+constexpr int WARPS = 4;     // split-K warps per CTA
 constexpr int THREADS = WARPS * 32;
-constexpr int CODE_CHUNK = 2048;  // code bytes per (64-row group, K chunk)
-constexpr int SCALE_CHUNK = 256;  // scale bytes per (64-row group, K chunk)
+constexpr int CODE_CHUNK = 2048;          // code bytes per (64-row group, K chunk)
+constexpr int SCALE_CHUNK = 256;          // scale bytes per (64-row group, K chunk)
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
 // CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
@@ -59,7 +59,8 @@ __device__ __forceinline__ uint2 ld_stream8(const uint8_t* p) {
 // UE8M0 byte i of a word -> 2^(b-127) as float32. b = 0 (2^-127) reads as 0; the packer refuses
 // b = 255 (NaN), so neither special case costs an instruction here.
 __device__ __forceinline__ float ue8m0(uint32_t w, int i) {
-  // byte 0: one shift, the next byte's low bit lands in the sign and fabsf (free on the FMUL) drops it
+  // byte 0: one shift, the next byte's low bit lands in the sign and fabsf (free on the FMUL) drops
+  // it
   if (i == 0) return fabsf(__uint_as_float(w << 23));
   return __uint_as_float(((w >> (8 * i)) & 0xFFu) << 23);
 }
@@ -156,9 +157,9 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k) {
 // One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
 // activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
 // The next chunk's loads are issued before the current chunk's math (two chunks in flight).
-__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes, const uint8_t* scales,
-                                       int nchunks, const int8_t* act_g, const float* as0,
-                                       const float* as1, int warp, int lane) {
+__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
+                                       const uint8_t* scales, int nchunks, const int8_t* act_g,
+                                       const float* as0, const float* as1, int warp, int lane) {
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
@@ -202,20 +203,32 @@ __device__ __forceinline__ int quant_one(float v, float s) {
 template <typename T>
 __device__ __forceinline__ float to_f32(T v);
 template <>
-__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+__device__ __forceinline__ float to_f32<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32<__half>(__half v) {
+  return __half2float(v);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_f32(float v);
 template <>
-__device__ __forceinline__ float from_f32<float>(float v) { return v; }
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 // Block-wide exclusive scan of one int per thread (ROUTE_THREADS threads); returns the total too.
 __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
@@ -373,14 +386,13 @@ __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(
 
 }  // namespace
 
-#define MOET_ROUTE(NAME, T)                                                                   \
-  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                 \
-      NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,        \
-           const int* slot_table, int n_experts, const int* n_real, int* miss_count,         \
-           uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot, int* job_pairs, \
-           uint8_t* pair_ok) {                                                                \
-    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, n_experts, n_real,          \
-             miss_count, routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);              \
+#define MOET_ROUTE(NAME, T)                                                                      \
+  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) NAME(                              \
+      const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,                \
+      const int* slot_table, int n_experts, const int* n_real, int* miss_count, uint8_t* routed, \
+      int8_t* xq, float* xs, int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {     \
+    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, n_experts, n_real, miss_count,  \
+             routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);                              \
   }
 MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
 MOET_ROUTE(moet_route_f16, __half)
@@ -390,9 +402,9 @@ MOET_ROUTE(moet_route_f32, float)
 // SiLU(gate) * up, re-quantized per 32 to the permuted int8 layout of the down projection's input.
 extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     moet_w13(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
-             int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p,
-             int top_k, const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq,
-             float* as, int inter_p) {
+             int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,
+             const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq, float* as,
+             int inter_p) {
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
@@ -503,10 +515,10 @@ __device__ void combine(const float* y, const float* weights, const uint8_t* pai
   }
 }
 
-#define MOET_COMBINE(NAME, T)                                                                \
+#define MOET_COMBINE(NAME, T)                                                                   \
   extern "C" __global__ void NAME(const float* y, const float* weights, const uint8_t* pair_ok, \
-                                  int n_tok, int top_k, int hidden, T* out) {                \
-    combine<T>(y, weights, pair_ok, n_tok, top_k, hidden, out);                              \
+                                  int n_tok, int top_k, int hidden, T* out) {                   \
+    combine<T>(y, weights, pair_ok, n_tok, top_k, hidden, out);                                 \
   }
 MOET_COMBINE(moet_combine_bf16, __nv_bfloat16)
 MOET_COMBINE(moet_combine_f16, __half)

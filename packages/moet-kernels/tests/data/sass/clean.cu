@@ -9,8 +9,7 @@ extern "C" __global__ void clean_axpy(float a, const float* __restrict__ x, floa
   if (i < n) y[i] = a * x[i] + y[i];
 }
 
-extern "C" __global__ void clean_mma_bf16(const uint32_t* a, const uint32_t* b,
-                                          __nv_bfloat162* d) {
+extern "C" __global__ void clean_mma_bf16(const uint32_t* a, const uint32_t* b, __nv_bfloat162* d) {
   const uint32_t* pa = a + threadIdx.x * 4;
   const uint32_t* pb = b + threadIdx.x * 2;
   float c0 = 0.f, c1 = 0.f, c2 = 0.f, c3 = 0.f;
