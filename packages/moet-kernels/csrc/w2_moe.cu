@@ -200,34 +200,14 @@ __device__ __forceinline__ int quant_one(float v, float s) {
   return s > 0.f ? __float2int_rn(__fdiv_rn(v, s)) : 0;
 }
 
+// bf16/fp16/fp32 <-> float32; the narrowing conversions round to nearest even.
 template <typename T>
-__device__ __forceinline__ float to_f32(T v);
-template <>
-__device__ __forceinline__ float to_f32<float>(float v) {
-  return v;
+__device__ __forceinline__ float to_f32(T v) {
+  return static_cast<float>(v);
 }
-template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) {
-  return __half2float(v);
-}
-
 template <typename T>
-__device__ __forceinline__ T from_f32(float v);
-template <>
-__device__ __forceinline__ float from_f32<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_f32<__half>(float v) {
-  return __float2half_rn(v);
+__device__ __forceinline__ T from_f32(float v) {
+  return T(v);
 }
 
 // Block-wide exclusive scan of one int per thread (ROUTE_THREADS threads); returns the total too.
