@@ -99,6 +99,27 @@ def load_fixture(tokens: int) -> dict | None:
     }
 
 
+def token_predictability(ids: np.ndarray, tokens: np.ndarray, n_experts: int) -> dict:
+    """Per MoE layer, over the last three quarters of the tokens: the share of a token's routed
+    experts among the top-k experts that its token id routed most often before (counted from the
+    first token on), and among the previous token's experts."""
+    T, L, k = ids.shape
+    ids = ids.astype(np.int64)
+    counts = np.zeros((int(tokens.max()) + 1, L, n_experts))
+    layer = np.repeat(np.arange(L), k)
+    same = np.zeros(L)
+    prev = np.zeros(L)
+    for t in range(T):
+        x = int(tokens[t])
+        if t >= T // 4:
+            guess = np.argsort(-counts[x], axis=1, kind="stable")[:, :k]
+            same += (guess[:, :, None] == ids[t][:, None, :]).any(axis=2).sum(axis=1)
+            prev += (ids[t - 1][:, :, None] == ids[t][:, None, :]).any(axis=2).sum(axis=1)
+        np.add.at(counts[x], (layer, ids[t].ravel()), 1)
+    n = (T - T // 4) * k
+    return {"same_token_id": (same / n).tolist(), "previous_token": (prev / n).tolist()}
+
+
 def job(args: tuple) -> dict:
     name, batch, frac, extra = args
     tr = _TRACES[name]
@@ -517,7 +538,9 @@ def main() -> None:
             "moe_layers": fx["layers"],
             "E": fx["E"],
             "top_k": fx["top_k"],
+            "token_predictability": token_predictability(fx["ids"], fx["tokens"], fx["E"]),
         }
+        print(f"fixture: {info[FIXTURE]['token_predictability']}")
     for name, tr in _TRACES.items():
         ids, E = tr["ids"], tr["E"]
         info[name]["coverage"] = {str(x): float(c) for x, c in zip(xs, traces.coverage(ids, E, xs))}
