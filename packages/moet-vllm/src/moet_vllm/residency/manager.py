@@ -125,6 +125,9 @@ class ResidencyManager:
         self.reduce_max = reduce_max or tp_reduce_max  # miss-count consensus across TP ranks
         self.publisher = Publisher(rank)  # counters for vLLM's /metrics (metrics.py)
         self.tune = TuneWatcher()  # `moet tune`: runtime settings (metrics.py)
+        self._pinned_host: list[int] = []  # host-tier buffers registered with CUDA
+        if self.pool.is_cuda:
+            self._pin_host_tier()
         # pinned layers (MTP drafter): slots n_slots.., filled once
         for i, o in enumerate(self.pinned):
             slots = n_slots + i * n_experts + np.arange(n_experts)
@@ -157,12 +160,36 @@ class ResidencyManager:
 
     # -- fetching --
 
+    def _pin_host_tier(self) -> None:
+        """Register the store's arena and stage (the memory its fetched views point into) with
+        CUDA, so a fetch is a batch of asynchronous DMA copies; unregistered buffers still work,
+        with synchronous copies."""
+        cudart = torch.cuda.cudart()
+        for what in ("arena", "stage"):
+            addr = getattr(self.store, f"{what}_address", 0)
+            size = getattr(self.store, f"{what}_bytes", 0)
+            if not addr or not size:
+                continue
+            rc = cudart.cudaHostRegister(addr, size, 0)
+            if int(rc) == 0:
+                self._pinned_host.append(addr)
+            else:
+                log.warning(
+                    "moet: pinning the host tier's %s (%d bytes) failed (CUDA error %s); expert "
+                    "fetches use synchronous copies",
+                    what,
+                    size,
+                    int(rc),
+                )
+
     def _copy_rows(self, keys: list[tuple[int, int]], slots) -> None:
         """Read `keys` (ordinal, expert) from the host tier and copy them into `slots`, in one
-        batch; retried, then MoetResidencyError. Nothing is published here."""
+        batch; retried, then MoetResidencyError. Nothing is published here. On a GPU the copies
+        are queued together and waited for once, before the store releases the rows."""
         if not keys:
             return
         t0 = time.perf_counter()
+        cuda = self.pool.is_cuda
         for attempt in range(1, self.fetch_attempts + 1):
             try:
                 with self.store.fetch(keys) as batch:
@@ -170,7 +197,9 @@ class ResidencyManager:
                         with warnings.catch_warnings():  # a read-only view, copied at once
                             warnings.simplefilter("ignore", UserWarning)
                             row = torch.frombuffer(view, dtype=torch.uint8)
-                        self.pool[int(slot)].copy_(row[: self.layout.row_bytes])
+                        self.pool[int(slot)].copy_(row[: self.layout.row_bytes], non_blocking=cuda)
+                    if cuda:
+                        torch.cuda.current_stream(self.pool.device).synchronize()
                 break
             except OSError as e:
                 self.counters.fetch_retries += 1
@@ -394,6 +423,9 @@ class ResidencyManager:
         global _active
         if _active is self:
             _active = None
+        for addr in self._pinned_host:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        self._pinned_host = []
         self.store.close()
 
 

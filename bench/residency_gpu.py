@@ -1,0 +1,287 @@
+"""Tiered residency at the torch level: the serving ResidencyManager, a moet-store host tier and
+moet-kernels' W2 MoE op in a captured CUDA graph, driven by a routing trace (issue 7).
+
+    python bench/residency_gpu.py [--device cuda] [--layers 8] [--experts 256] [--hidden 6144]
+        [--inter 2048] [--top-k 8] [--steps 384] [--coverages 1.0 0.9 0.8 ...] [--out DIR]
+
+The model is a stack of MoE layers, x <- x + moe(rms_norm(x)), decoding one token per step; the
+routing of step t, layer l is the trace's (synthetic, GLM-5.2-shaped: moet_vllm.residency.traces),
+its weights fixed random. One forward pass is one CUDA graph (on the CPU: eager, the reference op).
+
+- all-resident: every expert in the pool; each step's output is the reference;
+- per coverage c: a pool of c of the experts, the serving policy, the batched fetch from a
+  moet-store `ram` host tier (pinned), replays. Every step's output must be bit-identical to the
+  all-resident run's; reported: replay % of steps, missing pairs per step, step time vs
+  all-resident, fetch bandwidth vs a plain pinned H2D copy of the same rows measured in the same
+  run, and the simulator's replay % for the same trace and pool (same warm start).
+
+The first quarter of the steps warms the policy and is not counted (as in bench(residency)).
+Writes residency-gpu-<device>-<date>.json to --out (default bench/results/residency_gpu/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for pkg in ("moet-kernels", "moet-quant", "moet-vllm"):  # pure Python; moet-store is built
+    sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
+
+import moet_store  # noqa: E402
+from moet_kernels.layout import NativeRowLayout, RowLayout  # noqa: E402
+from moet_kernels.ops import w2_moe_slots  # noqa: E402
+from moet_vllm.residency import simulate, traces  # noqa: E402
+from moet_vllm.residency.manager import ResidencyManager  # noqa: E402
+
+
+def environment(device: str) -> dict:
+    env = {
+        "device": device,
+        "torch": torch.__version__,
+        "commit": os.environ.get("MOET_COMMIT", "unknown"),
+        "command": os.environ.get("MOET_COMMAND", "python " + " ".join(sys.argv)),
+        "date": datetime.date.today().isoformat(),
+    }
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    return env
+
+
+def write_packs(directory: Path, lay: NativeRowLayout, n_layers: int, n_experts: int, seed: int):
+    """Random W2 experts (realistic scale bytes), native rows, one pack layer at a time."""
+    spec = moet_store.PackSpec("w2", 0, 0, n_layers, n_experts, lay.row_bytes, {"bench": seed})
+    logical = RowLayout(lay.hidden, lay.inter)
+    gen = torch.Generator().manual_seed(seed)
+    with moet_store.open_pack_for_write(directory, spec) as writer:
+        for layer in range(n_layers):
+            sections = {
+                name: torch.randint(
+                    118 if "scales" in name else 0,
+                    125 if "scales" in name else 256,
+                    (n_experts, *shape),
+                    dtype=torch.uint8,
+                    generator=gen,
+                )
+                for name, (_, shape) in logical.sections.items()
+            }
+            writer.write_layer(layer, lay.pack(**sections).numpy())
+            print(f"  pack layer {layer + 1}/{n_layers} written", flush=True)
+    return spec
+
+
+class Stack:
+    """The MoE stack over a manager's pool: static inputs, one forward pass (a graph on CUDA)."""
+
+    def __init__(self, mgr: ResidencyManager, lay, n_layers, top_k, dev):
+        self.mgr, self.lay, self.dev = mgr, lay, dev
+        self.x = torch.zeros(1, lay.hidden, dtype=torch.bfloat16, device=dev)
+        self.ids = torch.zeros(n_layers, 1, top_k, dtype=torch.int32, device=dev)
+        self.w = torch.zeros(n_layers, 1, top_k, dtype=torch.float32, device=dev)
+        self.n_real = torch.ones(1, dtype=torch.int32, device=dev)
+        self.out = None
+        self.graph = None
+
+    def _forward(self):
+        h = self.x
+        for layer in range(self.ids.shape[0]):
+            table, routed = self.mgr.layer_tables(layer, self.ids[layer].view(1, -1))
+            normed = torch.nn.functional.rms_norm(h.float(), (h.shape[1],)).to(h.dtype)
+            moe = w2_moe_slots(
+                normed, self.ids[layer], self.w[layer], self.mgr.pool, table,
+                self.lay.hidden, self.lay.inter, self.n_real, self.mgr.miss_count, routed,
+            )  # fmt: skip
+            h = h + moe
+        return h
+
+    def capture(self) -> None:
+        """Warm up (allocates the op's buffers) and, on CUDA, capture the forward as a graph."""
+        self._forward()
+        if self.dev != "cuda":
+            return
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._forward()
+
+    def forward(self):
+        if self.graph is None:
+            self.out = self._forward()
+        else:
+            self.graph.replay()
+        return self.out
+
+    def set_step(self, x, ids, w) -> None:
+        self.x.copy_(x)
+        self.ids.copy_(ids)
+        self.w.copy_(w)
+
+
+def run(mgr, stack, inputs, ids, weights, warmup, dev):
+    """Decode every step through the manager; -> outputs, per-step seconds (measured steps)."""
+    outs, seconds = [], []
+    for t in range(len(inputs)):
+        if t == warmup:
+            mgr.counters.__init__()  # count the measured steps only
+        stack.set_step(inputs[t], ids[t], weights[t])
+        t0 = time.perf_counter()
+        out = mgr.run_forward(stack.forward, n_real=1)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        if t >= warmup:
+            seconds.append(time.perf_counter() - t0)
+        outs.append(out.clone())
+    return outs, np.array(seconds)
+
+
+def pinned_h2d_gbps(row_bytes: int, rows: int, dev: str) -> float:
+    """A plain pinned host -> device copy of `rows` rows (median of 20)."""
+    if dev != "cuda":
+        return float("nan")
+    src = torch.empty(rows, row_bytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(rows, row_bytes, dtype=torch.uint8, device=dev)
+    times = []
+    for _ in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return rows * row_bytes / sorted(times[5:])[10] / 1e9
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=6144)
+    ap.add_argument("--inter", type=int, default=2048)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=384)
+    ap.add_argument("--coverages", type=float, nargs="+",
+                    default=[1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5])  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--packs", help="pack directory (default: a temporary one)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "residency_gpu"))
+    args = ap.parse_args()
+    dev, n_layers, n_experts, k = args.device, args.layers, args.experts, args.top_k
+    lay = NativeRowLayout(args.hidden, args.inter)
+    # GLM-5.2's routing statistics (calibrated coverage) on this stack's geometry
+    profile = dataclasses.replace(
+        traces.GLM_5_2, moe_layers=n_layers, n_experts=n_experts, top_k=k,
+        hidden=args.hidden, moe_intermediate=args.inter,
+        topic_experts=min(traces.GLM_5_2.topic_experts, n_experts // 2),
+        phrase_experts=min(traces.GLM_5_2.phrase_experts, n_experts // 4),
+    )  # fmt: skip
+    trace = traces.synthetic_trace(profile, args.steps, args.seed)
+    steps = simulate.decode_steps(trace, n_experts)
+    warmup = args.steps // 4
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    inputs = torch.randn(args.steps, 1, args.hidden, generator=gen).to(torch.bfloat16).to(dev)
+    ids = torch.from_numpy(trace.astype(np.int32)).view(args.steps, n_layers, 1, k).to(dev)
+    w = torch.rand(args.steps, n_layers, 1, k, generator=gen)
+    weights = (w / w.sum(-1, keepdim=True)).to(dev)
+    report = {
+        "environment": environment(dev),
+        "model": {"layers": n_layers, "experts": n_experts, "hidden": args.hidden,
+                  "inter": args.inter, "top_k": k, "row_bytes": lay.row_bytes,
+                  "trace": profile.model, "steps": args.steps, "warmup_steps": warmup},
+        "runs": [],
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="moet-residency-gpu-") as tmp:
+        directory = Path(args.packs or tmp)
+        t0 = time.time()
+        spec = write_packs(directory, lay, n_layers, n_experts, args.seed)
+        print(f"packs written in {time.time() - t0:.1f} s", flush=True)
+        n_keys = n_layers * n_experts
+        hot = simulate.hottest(steps, n_keys)  # the warm start: most routed first
+        reference = None
+        resident_step = None
+        for cov in sorted(set(args.coverages), reverse=True):
+            n_slots = max(1, int(round(cov * n_keys)))
+            store = moet_store.open_store(directory, spec, backend="ram")
+            mgr = ResidencyManager(
+                lay, list(range(n_layers)), n_experts, n_slots, store, kpi_every=0,
+                predict=False, device=dev, reduce_max=int,  # one rank: no TP consensus
+            )  # fmt: skip
+            mgr.preload(hot)
+            stack = Stack(mgr, lay, n_layers, k, dev)
+            stack.capture()
+            outs, seconds = run(mgr, stack, inputs, ids, weights, warmup, dev)
+            c = mgr.counters
+            if reference is None:  # the first (largest) pool is all-resident
+                if cov < 1.0:
+                    raise SystemExit("the coverages must include 1.0 (the all-resident run)")
+                reference = outs
+                resident_step = float(np.median(seconds))
+            identical = all(torch.equal(a, b) for a, b in zip(outs, reference))
+            sim = simulate.run_policy(
+                "decay", steps, n_slots, n_layers, n_experts, warmup=warmup, initial=hot
+            )
+            fetch_gbps = c.fetched_bytes / c.fetch_seconds / 1e9 if c.fetch_seconds else None
+            row = {
+                "coverage": cov,
+                "slots": n_slots,
+                "bit_identical_to_resident": identical,
+                "replay_pct": 100.0 * c.replayed_steps / max(c.steps, 1),
+                "missing_pairs_per_step": c.missing_pairs / max(c.steps, 1),
+                "second_order_replays": c.second_order,
+                "step_us_median": 1e6 * float(np.median(seconds)),
+                "step_us_mean": 1e6 * float(seconds.mean()),
+                "speed_vs_resident": resident_step / float(np.median(seconds)),
+                "speed_vs_resident_mean": resident_step / float(seconds.mean()),
+                "fetched_rows": c.fetched_rows,
+                "fetch_GBps": fetch_gbps,
+                "simulated_replay_pct": sim.replay_pct,
+            }
+            if c.fetched_rows:
+                per_batch = max(1, round(c.fetched_rows / max(c.replays, 1)))
+                pinned = pinned_h2d_gbps(lay.row_bytes, per_batch, dev)
+                row["pinned_h2d_GBps_same_rows"] = pinned
+                if fetch_gbps:
+                    row["fetch_share_of_pinned_h2d"] = fetch_gbps / pinned
+            report["runs"].append(row)
+            print(
+                f"coverage {cov:4.2f}: identical={identical} replay {row['replay_pct']:5.1f}% "
+                f"(simulated {sim.replay_pct:5.1f}%), missing/step "
+                f"{row['missing_pairs_per_step']:.2f}, step {row['step_us_median']:8.1f} us = "
+                f"{row['speed_vs_resident']:.2f}x resident, fetch "
+                f"{fetch_gbps or 0:.1f} GB/s (pinned {row.get('pinned_h2d_GBps_same_rows', 0):.1f})",
+                flush=True,
+            )
+            mgr.close()
+            del stack, mgr
+    ok = all(r["bit_identical_to_resident"] for r in report["runs"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"residency-gpu-{dev}-{report['environment']['date']}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}; every step bit-identical to all-resident: {ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
