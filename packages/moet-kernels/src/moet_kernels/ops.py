@@ -14,6 +14,7 @@ It is registered as the torch custom op `moet::w2_moe_slots` with a fake (meta) 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -89,6 +90,12 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
         )
         _workspaces[key] = ws
     return ws
+
+
+@functools.cache
+def _available(device_index: int | None) -> tuple[bool, str]:
+    """kernels_available, asked once per device (it lists the cubin folder)."""
+    return kernels_available(torch.device("cuda", device_index))
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -199,7 +206,7 @@ def w2_moe_slots(
     lay = native_layout(hidden, inter)
     _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed)
     if x.is_cuda:
-        ok, why = kernels_available(x.device)
+        ok, why = _available(x.device.index)
         if ok:
             return _gpu(
                 x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed
