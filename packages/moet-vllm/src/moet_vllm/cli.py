@@ -158,7 +158,9 @@ def run_doctor(args: argparse.Namespace) -> int:
     from moet_kernels.loader import kernels_available
 
     ok, reason = kernels_available()
-    print(f"kernels: {'available' if ok else 'unavailable'}{'' if ok else ' (' + reason + ')'}")
+    print(
+        f"kernels: {'available' if ok else 'unavailable'}{f' ({reason.strip()})' if reason else ''}"
+    )
 
     print(_store_report(args.path))
     if problems:

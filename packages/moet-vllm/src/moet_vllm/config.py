@@ -36,7 +36,7 @@ class MoetConfig:
     mode: str = "reference"
     fp4_tier: str = "none"
     # -- how they are computed and cached --
-    compute: str = "auto"  # auto: CUDA kernels when available, else the exact torch reference
+    compute: str = "auto"  # auto/exact: the exact torch reference (kernels: a later version)
     dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load
     pack_cache: bool = True  # persistent quantization cache (moet-store packs)
     cache_dir: str | None = None  # default: $XDG_CACHE_HOME/moet
@@ -258,6 +258,12 @@ def _check_combinations(cfg: MoetConfig) -> None:
                 f"the GPU kernels are unavailable ({reason}); use compute='auto' "
                 "or 'exact'"
             )
+        raise MoetConfigError(
+            f"{cfg.sources.get('compute', 'config')}: compute='kernel': moet-kernels runs on "
+            "this GPU, but this moet-vllm serves routed experts with the torch reference (vLLM "
+            "serving through the kernels comes in a later version, docs/kernels.md); use "
+            "compute='auto' or 'exact'"
+        )
     if cfg.mode == "optimal" and cfg.format != w2.FORMAT:
         raise MoetConfigError(f"mode 'optimal' needs format {w2.FORMAT}, found {cfg.format}")
     where = cfg.sources.get
