@@ -42,18 +42,20 @@ and each key gets +1 per token of the step that routed it, so a key's score is t
 routings with a weight halving every ``half_life`` steps (the LRFU family: a half-life of 0 is
 LRU, an infinite one LFU). The default half-life, :data:`DEFAULT_HALF_LIFE_STEPS` = 32 steps, was
 chosen on the policy simulator (docs/residency.md, bench/residency.py --tune): over half-lives from
-8 steps to infinity it had the fewest missing pairs and, within 1%, the fewest replays. Routing
+8 steps to infinity it had the fewest missing pairs and, within 1%, the fewest replays on the
+synthetic traces (with the fixture's real trace added, 128 steps replays 0.5% fewer steps). Routing
 drifts with the text (an expert hot for a few hundred tokens, then cold), which long memories
 follow too slowly (LFU replayed up to 3x more often on the DeepSeek-shaped trace), while 32 steps
 still ranks an expert routed every few steps above one routed once.
 
 The prediction: a step's input tokens are known before its forward pass, and which experts a
 token routes depends much on the token itself (on the fixture model's test split the experts
-that token id routed most often before are 60-71% of those it routes, the previous token's 16-22%).
+that token id routed most often before are 56-72% of those it routes, the previous token's 19-26%).
 Fetching them before the forward turns would-be replays into one batched copy without a second
-forward pass; on the fixture's trace it brought decayed frequency's replay % (2.0-3.0x Belady's)
-to 0.8-1.4x Belady's, for 3-6x the rows fetched (docs/residency.md). The default threshold,
-:data:`DEFAULT_PREDICT_THRESHOLD` = 0.1, is the simulator's trade between the two.
+forward pass; on the fixture's trace it brought the replay % from 1.5-3.1x Belady's (decayed
+frequency alone, batch 1, pools of 30-95%) to 0.8-1.5x, for 2-5.2x the rows fetched
+(docs/residency.md). The default threshold, :data:`DEFAULT_PREDICT_THRESHOLD` = 0.1, is the
+simulator's trade between the two (bench/residency.py --tune).
 """
 
 from __future__ import annotations
