@@ -332,3 +332,44 @@ def test_predict_is_a_config_switch():
 
     assert resolve(None, None, {}).predict is True
     assert resolve(None, None, {"MOET_PREDICT": "0"}).predict is False
+
+
+@pytest.mark.parametrize("n_slots", [10, 14, 20])
+def test_serving_replays_the_steps_the_simulator_predicts(tmp_path, n_slots):
+    """With the routing fixed by a trace (no second-order misses), the manager replays exactly
+    the steps the simulator replays with the same policy and warm start, and misses the same
+    pairs: the simulator's figures describe serving."""
+    import dataclasses
+
+    from moet_vllm.residency import simulate, traces
+
+    stack = Stack(n_slots, tmp_path)
+    profile = dataclasses.replace(
+        traces.GLM_5_2, moe_layers=L, n_experts=E, top_k=TOP_K, topic_experts=4, phrase_experts=2
+    )
+    trace = traces.synthetic_trace(profile, 60, seed=n_slots)  # uint16 [tokens, L, k]
+    keys = simulate.decode_steps(trace, E)
+    hot = simulate.hottest(keys, L * E)
+    sim = simulate.run_policy("decay", keys, n_slots, L, E, initial=hot)
+    mgr = manager(stack, n_slots, predict=False)
+    mgr.preload(hot)
+    rng = np.random.default_rng(n_slots)
+    weights = torch.full((1, TOP_K), 1.0 / TOP_K)
+
+    def forward(x, ids):
+        h = x
+        for layer in range(L):
+            table, routed = mgr.layer_tables(layer, ids[layer])
+            y = w2_moe_slots_reference(
+                h, ids[layer], weights, mgr.pool, table, LAYOUT, 1, mgr.miss_count, routed
+            )
+            h = h + y
+        return h
+
+    for t in range(len(trace)):
+        x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
+        ids = torch.from_numpy(trace[t].astype(np.int64)).view(L, 1, TOP_K)
+        mgr.run_forward(lambda x=x, ids=ids: forward(x, ids), n_real=1)
+    c = mgr.counters
+    assert 0 < sim.replay_steps < len(trace)  # the pool is neither too small nor everything
+    assert (c.replayed_steps, c.missing_pairs) == (sim.replay_steps, sim.missing_pairs)
