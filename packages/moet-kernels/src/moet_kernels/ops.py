@@ -47,16 +47,13 @@ class _Workspace:
     max_jobs: int
 
 
-_workspaces: dict[tuple, _Workspace] = {}
-_layouts: dict[tuple[int, int], NativeRowLayout] = {}
+_workspaces: dict[tuple, _Workspace] = {}  # per (device, batch shape): fixed addresses
 _noted_fallback = False
 
 
+@functools.cache
 def native_layout(hidden: int, inter: int) -> NativeRowLayout:
-    key = (hidden, inter)
-    if key not in _layouts:
-        _layouts[key] = NativeRowLayout(hidden, inter)
-    return _layouts[key]
+    return NativeRowLayout(hidden, inter)
 
 
 def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
