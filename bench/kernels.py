@@ -17,14 +17,13 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
   "not same run".
 - --sanitize: a reduced validation for compute-sanitizer (memcheck, racecheck).
 
-Writes kernels-<gpu>-<date>.json to --out (default bench/results/kernels/).
+Writes <gpu>-<date>.json to --out (default bench/results/kernels/), with the run's provenance
+(GPU, driver, torch, commit, command: bench/provenance.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import subprocess
 import sys
@@ -36,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "moet-kernels" / "src"))
 
 import torch  # noqa: E402
+from provenance import provenance  # noqa: E402  (bench/, the script's folder)
+from results_io import machine, write_result  # noqa: E402
 
 # vLLM 0.24 on the H200, GLM-5.2 layer, graph replays, uniform routing (design.md): not same run.
 VLLM_US = {
@@ -71,23 +72,6 @@ def build_cubin() -> None:
         sys.exit(f"nvcc failed:\n{r.stderr}")
     print(f"built sm_{arch} cubin in {time.time() - t0:.1f} s")
     os.environ["MOET_KERNELS_CUBIN_DIR"] = str(out)
-
-
-def environment() -> dict:
-    smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "nvidia_smi": smi,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": os.environ.get("MOET_COMMIT", "unknown"),
-        "command": os.environ.get("MOET_COMMAND", "python " + " ".join(sys.argv)),
-        "date": datetime.date.today().isoformat(),
-    }
 
 
 class Layer:
@@ -384,7 +368,7 @@ def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512)) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kernels"))
+    ap.add_argument("--out", help="result folder (default bench/results/kernels/)")
     ap.add_argument("--only", choices=("validate", "time"))
     ap.add_argument("--sanitize", action="store_true", help="reduced validation only")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
@@ -395,7 +379,7 @@ def main() -> int:
     build_cubin()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    report = {"environment": environment(), "seed": seed}
+    report = {"environment": provenance([sys.executable, *sys.argv]), "seed": seed}
     if args.sanitize:
         res = validate(gen, reduced=True)
         return 0 if all(r["ok"] for r in res) else 1
@@ -407,12 +391,7 @@ def main() -> int:
               f"{len(report['validation'])} cases ok")  # fmt: skip
     if args.only in (None, "time"):
         report["timing"] = time_layers(gen)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = torch.cuda.get_device_name().split()[-1].lower()
-    path = out / f"kernels-{gpu}-{report['environment']['date']}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_result("kernels", report, machine(), args.out)
     return 0 if ok else 1
 
 

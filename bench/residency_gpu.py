@@ -16,17 +16,14 @@ its weights fixed random. One forward pass is one CUDA graph (on the CPU: eager,
   run, and the simulator's replay % for the same trace and pool (same warm start).
 
 The first quarter of the steps warms the policy and is not counted (as in bench(residency)).
-Writes residency-gpu-<device>-<date>.json to --out (default bench/results/residency_gpu/).
+Writes <machine>-<date>.json to --out (default bench/results/residency_gpu/), with the run's
+provenance (bench/provenance.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,29 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 for pkg in ("moet-kernels", "moet-quant", "moet-vllm"):  # pure Python; moet-store is built
     sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
 
+from provenance import provenance  # noqa: E402  (bench/, the script's folder)
+from results_io import machine, write_result  # noqa: E402
+
 import moet_store  # noqa: E402
 from moet_kernels.layout import NativeRowLayout, RowLayout  # noqa: E402
 from moet_kernels.ops import w2_moe_slots  # noqa: E402
 from moet_vllm.residency import simulate, traces  # noqa: E402
 from moet_vllm.residency.manager import ResidencyManager  # noqa: E402
-
-
-def environment(device: str) -> dict:
-    env = {
-        "device": device,
-        "torch": torch.__version__,
-        "commit": os.environ.get("MOET_COMMIT", "unknown"),
-        "command": os.environ.get("MOET_COMMAND", "python " + " ".join(sys.argv)),
-        "date": datetime.date.today().isoformat(),
-    }
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["nvidia_smi"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    return env
 
 
 def write_packs(directory: Path, lay: NativeRowLayout, n_layers: int, n_experts: int, seed: int):
@@ -185,7 +167,7 @@ def main() -> int:
                     default=[1.0, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5])  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packs", help="pack directory (default: a temporary one)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "residency_gpu"))
+    ap.add_argument("--out", help="result folder (default bench/results/residency_gpu/)")
     args = ap.parse_args()
     dev, n_layers, n_experts, k = args.device, args.layers, args.experts, args.top_k
     lay = NativeRowLayout(args.hidden, args.inter)
@@ -205,7 +187,7 @@ def main() -> int:
     w = torch.rand(args.steps, n_layers, 1, k, generator=gen)
     weights = (w / w.sum(-1, keepdim=True)).to(dev)
     report = {
-        "environment": environment(dev),
+        "environment": {**provenance([sys.executable, *sys.argv]), "device": dev},
         "model": {"layers": n_layers, "experts": n_experts, "hidden": args.hidden,
                   "inter": args.inter, "top_k": k, "row_bytes": lay.row_bytes,
                   "trace": profile.model, "steps": args.steps, "warmup_steps": warmup},
@@ -275,11 +257,8 @@ def main() -> int:
             mgr.close()
             del stack, mgr
     ok = all(r["bit_identical_to_resident"] for r in report["runs"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"residency-gpu-{dev}-{report['environment']['date']}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {path}; every step bit-identical to all-resident: {ok}")
+    write_result("residency_gpu", report, machine() if dev == "cuda" else "cpu", args.out)
+    print(f"every step bit-identical to all-resident: {ok}")
     return 0 if ok else 1
 
 

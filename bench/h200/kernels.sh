@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${OUT:-bench/results/kernels}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 MOET_COMMAND="bash bench/h200/kernels.sh $*"
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 bench/kernels.py --out "$out" "$@" 2>&1 | tee "$out/kernels.log"
 status=${PIPESTATUS[0]}

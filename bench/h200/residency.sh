@@ -7,11 +7,12 @@
 set -euo pipefail
 out=${OUT:-bench/results/residency_gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 MOET_COMMAND="bash bench/h200/residency.sh $*"
+export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/moet-site \
-  ./packages/moet-store 2>&1 | tail -3
-export PYTHONPATH=/tmp/moet-site${PYTHONPATH:+:$PYTHONPATH}
-packs=$(mktemp -d /var/tmp/moet-packs-XXXXXX)
+site=$(mktemp -d -t moet-site-XXXXXX)    # moet-store built for this machine's Python
+packs=$(mktemp -d -t moet-packs-XXXXXX)  # 21.7 GB of pack files
+trap 'rm -rf "$site" "$packs"' EXIT
+python3 -m pip install -q --no-build-isolation --no-deps --target "$site" ./packages/moet-store \
+  2>&1 | tail -3
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 python3 bench/residency_gpu.py --packs "$packs" --out "$out" "$@" 2>&1 | tee "$out/residency_gpu.log"
-rm -rf "$packs"

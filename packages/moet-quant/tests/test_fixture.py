@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "bench" / "fixture"
 MODEL = FIXTURE / "glm-moe-fixture"
 sys.path.insert(0, str(FIXTURE))
+sys.path.insert(0, str(ROOT / "bench"))  # provenance.py
 sys.path.insert(0, str(ROOT / "packages" / "moet-vllm" / "tests"))
 
 import corpus  # noqa: E402

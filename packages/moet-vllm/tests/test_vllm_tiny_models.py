@@ -21,6 +21,7 @@ from tiny_models import (
     MARKER,
     MTP_EXTRA,
     SPECIAL_TOKENS,
+    WEATHER_TOOL,
     write_all,
     write_tiny_model,
 )
@@ -181,20 +182,7 @@ def test_special_tokens_are_single_ids(models: dict[str, Path], arch: str) -> No
     assert tok.decode(ids, skip_special_tokens=True) == "\nhmfkv"
 
 
-GLM_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather of a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+GLM_TOOLS = [WEATHER_TOOL]  # the tool of the round trips (tiny_models.py)
 
 
 def test_glm_chat_template_renders_tools_calls_and_results(models: dict[str, Path]) -> None:

@@ -128,7 +128,9 @@ class Module:
             self._image = path.read_bytes()
             self.module = _check(driver.cuModuleLoadData(self._image), f"loading {path.name}")
         self.arch = arch
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._functions: dict[str, object] = {}
+        self._grids: dict[tuple[str, int], int] = {}
 
     def function(self, name: str):
         from cuda.bindings import driver
@@ -139,16 +141,19 @@ class Module:
             )
         return self._functions[name]
 
-    def blocks_per_sm(self, name: str, block: int) -> int:
-        """How many CTAs of `block` threads of kernel `name` fit on one SM (persistent grids)."""
+    def persistent_grid(self, name: str, block: int, work: int) -> int:
+        """CTAs for a persistent kernel: `work` items, at most as many CTAs of `block` threads
+        as fit on the GPU at once (the driver's occupancy, asked once per kernel)."""
         from cuda.bindings import driver
 
-        return int(
-            _check(
+        key = (name, block)
+        if key not in self._grids:
+            per_sm = _check(
                 driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.function(name), block, 0),
                 f"occupancy of {name}",
             )
-        )
+            self._grids[key] = int(per_sm) * self.sms
+        return max(1, min(work, self._grids[key]))
 
     def launch(self, name: str, grid: int, block: int, args: list) -> None:
         """Launch kernel `name` with a 1-D grid on torch's current stream. `args` are ctypes

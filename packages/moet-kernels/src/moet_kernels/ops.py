@@ -109,7 +109,6 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     if x.dtype not in OUT_KERNELS:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     mod = load(dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     ws = _workspace(dev, n_tok, top_k, lay, n_experts)
     ws.ids.copy_(topk_ids)
     ws.weights.copy_(topk_weights)
@@ -120,7 +119,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     items = n_tok * (lay.hidden_p // 32)
     mod.launch(
         f"moet_route_{kind}",
-        1 + min(-(-items // 256), 4 * sms),
+        1 + min(-(-items // 256), 4 * mod.sms),
         256,
         [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ws.ids), i32(top_k),
          _ptr(slot_table), i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count), _ptr(routed),
@@ -131,7 +130,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     units = lay.inter // 32
     mod.launch(
         "moet_w13",
-        min(ws.max_jobs * units, mod.blocks_per_sm("moet_w13", 128) * sms),
+        mod.persistent_grid("moet_w13", 128, ws.max_jobs * units),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
@@ -141,7 +140,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     groups = lay.w2_rows // 64
     mod.launch(
         "moet_w2",
-        min(ws.max_jobs * groups, mod.blocks_per_sm("moet_w2", 128) * sms),
+        mod.persistent_grid("moet_w2", 128, ws.max_jobs * groups),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
          i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
@@ -149,7 +148,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     )  # fmt: skip
     mod.launch(
         f"moet_combine_{kind}",
-        min(-(-(n_tok * hidden) // 256), 8 * sms),
+        min(-(-(n_tok * hidden) // 256), 8 * mod.sms),
         256,
         [_ptr(ws.y), _ptr(ws.weights), _ptr(ws.pair_ok), i32(n_tok), i32(top_k), i32(hidden),
          _ptr(out)],
