@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 for pkg in ("moet-kernels", "moet-quant", "moet-vllm"):  # pure Python; moet-store is built
     sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
 
-from provenance import provenance  # noqa: E402  (bench/, the script's folder)
+from kernels import build_cubin  # noqa: E402  (bench/, the script's folder)
+from provenance import provenance  # noqa: E402
 from results_io import machine, write_result  # noqa: E402
 
 import moet_store  # noqa: E402
@@ -46,11 +47,12 @@ from moet_vllm.residency import simulate, traces  # noqa: E402
 from moet_vllm.residency.manager import ResidencyManager  # noqa: E402
 
 
-def write_packs(directory: Path, lay: NativeRowLayout, n_layers: int, n_experts: int, seed: int):
-    """Random W2 experts (realistic scale bytes), native rows, one pack layer at a time."""
+def write_packs(directory: Path, lay: NativeRowLayout, n_layers, n_experts, seed, dev):
+    """Random W2 experts (realistic scale bytes), native rows, one pack layer at a time (made on
+    `dev`: packing 2.7 GB layers on the host would take minutes)."""
     spec = moet_store.PackSpec("w2", 0, 0, n_layers, n_experts, lay.row_bytes, {"bench": seed})
     logical = RowLayout(lay.hidden, lay.inter)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)
     with moet_store.open_pack_for_write(directory, spec) as writer:
         for layer in range(n_layers):
             sections = {
@@ -60,10 +62,11 @@ def write_packs(directory: Path, lay: NativeRowLayout, n_layers: int, n_experts:
                     (n_experts, *shape),
                     dtype=torch.uint8,
                     generator=gen,
+                    device=dev,
                 )
                 for name, (_, shape) in logical.sections.items()
             }
-            writer.write_layer(layer, lay.pack(**sections).numpy())
+            writer.write_layer(layer, lay.pack(**sections).cpu().numpy())
             print(f"  pack layer {layer + 1}/{n_layers} written", flush=True)
     return spec
 
@@ -171,6 +174,8 @@ def main() -> int:
     args = ap.parse_args()
     dev, n_layers, n_experts, k = args.device, args.layers, args.experts, args.top_k
     lay = NativeRowLayout(args.hidden, args.inter)
+    if dev == "cuda":
+        build_cubin()  # for this GPU, unless MOET_KERNELS_CUBIN_DIR names built ones
     # GLM-5.2's routing statistics (calibrated coverage) on this stack's geometry
     profile = dataclasses.replace(
         traces.GLM_5_2, moe_layers=n_layers, n_experts=n_experts, top_k=k,
@@ -196,7 +201,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="moet-residency-gpu-") as tmp:
         directory = Path(args.packs or tmp)
         t0 = time.time()
-        spec = write_packs(directory, lay, n_layers, n_experts, args.seed)
+        spec = write_packs(directory, lay, n_layers, n_experts, args.seed, dev)
         print(f"packs written in {time.time() - t0:.1f} s", flush=True)
         n_keys = n_layers * n_experts
         hot = simulate.hottest(steps, n_keys)  # the warm start: most routed first
