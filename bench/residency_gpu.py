@@ -124,20 +124,23 @@ class Stack:
 
 
 def run(mgr, stack, inputs, ids, weights, warmup, dev):
-    """Decode every step through the manager; -> outputs, per-step seconds (measured steps)."""
-    outs, seconds = [], []
+    """Decode every step through the manager; -> outputs, per-step seconds and whether the step
+    replayed (measured steps)."""
+    outs, seconds, replayed = [], [], []
     for t in range(len(inputs)):
         if t == warmup:
             mgr.counters.__init__()  # count the measured steps only
         stack.set_step(inputs[t], ids[t], weights[t])
         t0 = time.perf_counter()
+        before = mgr.counters.replayed_steps
         out = mgr.run_forward(stack.forward, n_real=1)
         if dev == "cuda":
             torch.cuda.synchronize()
         if t >= warmup:
             seconds.append(time.perf_counter() - t0)
+            replayed.append(mgr.counters.replayed_steps > before)
         outs.append(out.clone())
-    return outs, np.array(seconds)
+    return outs, np.array(seconds), np.array(replayed)
 
 
 def graph_seconds(stack: Stack, dev: str) -> float:
@@ -168,6 +171,40 @@ def pinned_h2d_gbps(row_bytes: int, rows: int, dev: str) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return rows * row_bytes / sorted(times[5:])[10] / 1e9
+
+
+def fetch_costs(mgr: ResidencyManager, lay, dev: str) -> list[dict]:
+    """Where a fetch's time goes, by batch size: the manager's fetch (wall clock) against a plain
+    pinned copy of as many rows, timed by CUDA events (the DMA alone) and by the wall clock
+    (DMA + launch + wait)."""
+    if dev != "cuda":
+        return []
+    rows = []
+    for n in (1, 2, 4, 8, 16):
+        keys, slots = [(0, e) for e in range(n)], list(range(n))
+        src = torch.empty(n, lay.row_bytes, dtype=torch.uint8).pin_memory()
+        fetch, dma, wall = [], [], []
+        for _ in range(12):
+            t0 = time.perf_counter()
+            mgr._copy_rows(keys, slots)
+            fetch.append(time.perf_counter() - t0)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            for i in range(n):
+                mgr.pool[i].copy_(src[i], non_blocking=True)
+            b.record()
+            b.synchronize()
+            wall.append(time.perf_counter() - t0)
+            dma.append(a.elapsed_time(b) / 1e3)
+        med = {name: 1e6 * float(np.median(v[2:])) for name, v in
+               (("fetch_us", fetch), ("pinned_dma_us", dma), ("pinned_wall_us", wall))}  # fmt: skip
+        rows.append(
+            {"rows": n, **med, "fetch_share_of_dma": med["pinned_dma_us"] / med["fetch_us"]}
+        )
+        print(f"fetch of {n:2d} rows: {med['fetch_us']:7.1f} us; pinned copy "
+              f"{med['pinned_wall_us']:7.1f} us wall, {med['pinned_dma_us']:7.1f} us DMA", flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> int:
@@ -231,14 +268,14 @@ def main() -> int:
             mgr.preload(hot)
             stack = Stack(mgr, lay, n_layers, k, dev)
             stack.capture()
-            outs, seconds = run(mgr, stack, inputs, ids, weights, warmup, dev)
+            graph_us = 1e6 * graph_seconds(stack, dev)  # this run's forward pass alone
+            outs, seconds, replayed = run(mgr, stack, inputs, ids, weights, warmup, dev)
             c = mgr.counters
             if reference is None:  # the first (largest) pool is all-resident
                 if cov < 1.0:
                     raise SystemExit("the coverages must include 1.0 (the all-resident run)")
                 reference = outs
                 resident_step = float(seconds.mean())
-                report["graph_replay_us"] = 1e6 * graph_seconds(stack, dev)
             identical = all(torch.equal(a, b) for a, b in zip(outs, reference))
             sim = simulate.run_policy(
                 "decay", steps, n_slots, n_layers, n_experts, warmup=warmup, initial=hot
@@ -254,7 +291,14 @@ def main() -> int:
                 "step_us_mean": 1e6 * float(seconds.mean()),
                 "step_us_median": 1e6 * float(np.median(seconds)),
                 "speed_vs_resident": resident_step / float(seconds.mean()),  # throughput
+                # the same run's steps that did not replay: a baseline free of run-to-run drift
+                "speed_vs_own_unreplayed_steps": float(seconds[~replayed].mean() / seconds.mean())
+                if (~replayed).any()
+                else None,
+                "graph_replay_us": graph_us,
                 "fetch_us_per_replay": 1e6 * c.fetch_seconds / max(c.replays, 1),
+                "step_us": [round(1e6 * x, 1) for x in seconds],
+                "step_replayed": replayed.astype(int).tolist(),
                 "fetched_rows": c.fetched_rows,
                 "fetch_GBps": fetch_gbps,
                 "simulated_replay_pct": sim.replay_pct,
@@ -274,6 +318,8 @@ def main() -> int:
                 f"{fetch_gbps or 0:.1f} GB/s (pinned {row.get('pinned_h2d_GBps_same_rows', 0):.1f})",
                 flush=True,
             )
+            if len(report["runs"]) == 1:  # the fetch's cost model, once, on the resident pool
+                report["fetch_costs"] = fetch_costs(mgr, lay, dev)
             mgr.close()
             del stack, mgr
     ok = all(r["bit_identical_to_resident"] for r in report["runs"])
