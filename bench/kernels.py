@@ -232,7 +232,8 @@ def validate(gen, reduced: bool) -> list[dict]:
         plan = [
             ("fixture", 5, torch.float32, 0.7, 2),
             ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0),
-            ("qwen3-235b-tp4", 40, torch.bfloat16, 0.9, 3),  # 320 pairs: 2 tiles of the job sort
+            ("fixture", 80, torch.bfloat16, 0.9, 3),  # 320 pairs: 2 tiles of the job sort (a model
+            # shape this large does not finish under racecheck in a device call's 10 minutes)
         ]
     else:
         plan = []
