@@ -144,7 +144,8 @@ def run(mgr, stack, inputs, ids, weights, warmup, dev):
 
 
 def graph_seconds(stack: Stack, dev: str) -> float:
-    """One forward pass alone (no manager): median of 50 graph replays."""
+    """One forward pass alone (no manager): median of 50 graph replays of the same routing, back
+    to back, so part of its expert rows stay in L2: a lower bound of the forward, not a baseline."""
     if dev != "cuda":
         return float("nan")
     times = []
