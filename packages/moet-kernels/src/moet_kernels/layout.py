@@ -1,6 +1,6 @@
 """Expert row layouts, named for the ABI string (design.md, Identity).
 
-Two layouts of an expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
+Two layouts of a W2 expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
 
 - `RowLayout` (`LAYOUT_ID`, the CPU serving path today): the *logical* layout of moet checkpoints
   as is: codes uint8 [N, K/4], 4 two-bit codes per byte, little-endian 2-bit fields along K;
@@ -14,11 +14,18 @@ Two layouts of an expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
   4 row tiles x 8 lane groups x [row g: 4 k-tiles, row g+8: 4 k-tiles]. Padding codes are 0 and
   padding scales 127 (1.0), so padded weights are finite and meet zero activations.
 
+`RowLayout(hidden, inter, tier)` also lays out the FP4 tiers' logical rows (`TIERS`: `fp4r`,
+`fp4r-refine`, `fp4x-nvfp4`, `fp4x-mxfp4`; docs/kernels.md, "FP4 tiers"), each with its own
+layout id (`FP4R_LAYOUT_ID`, ...); they have no kernel-native layout yet.
+
 `LAYOUT_ID` enters moet-vllm's ABI string (`<format>+<layout>+<row sections>`), which keys every
 persistent cache (pack files). Bump an id whenever the byte layout it names changes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -27,70 +34,230 @@ LAYOUT_ID = "logical-v0"
 NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v1"
 
 __all__ = [
+    "FP4R",
+    "FP4R_LAYOUT_ID",
+    "FP4R_REFINE",
+    "FP4R_REFINE_LAYOUT_ID",
     "LAYOUT_ID",
+    "MXFP4",
+    "MXFP4_LAYOUT_ID",
     "NATIVE_LAYOUT_ID",
+    "NVFP4",
+    "NVFP4_LAYOUT_ID",
     "NativeRowLayout",
     "RowLayout",
     "SECTIONS",
     "SECTION_ALIGN",
+    "TIERS",
+    "Tier",
+    "W2",
+    "tier_of",
 ]
 
 
 # --- expert rows: one expert of one rank, as pack files and GPU slots hold it (design.md) -------
 
 SECTION_ALIGN = 256  # every section starts on a 256-byte boundary
-SECTIONS = ("w13_codes", "w13_scales", "w2_codes", "w2_scales")
+SECTIONS = ("w13_codes", "w13_scales", "w2_codes", "w2_scales")  # the W2 tier's sections
+PROJECTIONS = ("w13", "w2")  # a row holds w13's sections, then w2's
+
+FP4R_LAYOUT_ID = "logical-fp4r-e2m1-ue8m0b32-v0"
+FP4R_REFINE_LAYOUT_ID = "logical-fp4r-refine-b5x4-v0"
+NVFP4_LAYOUT_ID = "logical-fp4x-nvfp4-e4m3b16-f32row-v0"
+MXFP4_LAYOUT_ID = "logical-fp4x-mxfp4-e2m1-ue8m0b32-v0"
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One tier's logical per-projection sections and how its weights decode.
+
+    `parts`: (suffix, bytes per weight along K) per section of a projection, in row order; a
+    fraction of None is one float32 per output row (NVFP4's global scale, `scale_2`).
+    `codes`: "w2" (2-bit codes, 4 per byte) or "e2m1" (FP4 nibbles, 2 per byte, low nibble =
+    even k); `scale`: "ue8m0-32" (one UE8M0 byte per 32 along K) or "e4m3-16" (one e4m3 byte per
+    16, times the row's float32 `scale_2`). `base`: a tier whose row must be resident too and
+    whose sections come first in the reference's weight tuples (the refinement plane reads the
+    W2 row's codes and scales). `tag`: the pack files' tier tag (design.md, Pack files).
+    """
+
+    name: str
+    tag: str
+    layout_id: str
+    parts: tuple[tuple[str, Fraction | None], ...]
+    codes: str
+    scale: str
+    base: Tier | None = None
+
+    @property
+    def weight_specs(self) -> tuple[tuple[str, Fraction | None], ...]:
+        """The per-projection sections a reference takes, in order (base sections first)."""
+        return (self.base.weight_specs + self.parts) if self.base else self.parts
+
+    @property
+    def weight_parts(self) -> tuple[str, ...]:
+        return tuple(p for p, _ in self.weight_specs)
+
+    def section_shape(self, part: str, n: int, k: int) -> tuple[int, ...]:
+        frac = dict(self.parts)[part]
+        return (n,) if frac is None else (n, int(k * frac))
+
+
+_UE8M0 = ("scales", Fraction(1, 32))
+W2 = Tier("w2", "w2", LAYOUT_ID, (("codes", Fraction(1, 4)), _UE8M0), codes="w2", scale="ue8m0-32")
+FP4R = Tier(
+    "fp4r",
+    "fp4r",
+    FP4R_LAYOUT_ID,
+    (("codes", Fraction(1, 2)), _UE8M0),
+    codes="e2m1",
+    scale="ue8m0-32",
+)
+FP4R_REFINE = Tier(
+    "fp4r-refine",
+    "fp4r",
+    FP4R_REFINE_LAYOUT_ID,
+    (("refine", Fraction(5, 16)),),
+    codes="e2m1",
+    scale="ue8m0-32",
+    base=W2,
+)
+NVFP4 = Tier(
+    "fp4x-nvfp4",
+    "fp4x",
+    NVFP4_LAYOUT_ID,
+    (("codes", Fraction(1, 2)), ("scales", Fraction(1, 16)), ("scale_2", None)),
+    codes="e2m1",
+    scale="e4m3-16",
+)
+MXFP4 = Tier(
+    "fp4x-mxfp4",
+    "fp4x",
+    MXFP4_LAYOUT_ID,
+    (("codes", Fraction(1, 2)), _UE8M0),
+    codes="e2m1",
+    scale="ue8m0-32",
+)
+TIERS = {t.name: t for t in (W2, FP4R, FP4R_REFINE, NVFP4, MXFP4)}
+
+
+def tier_of(tier: str | Tier) -> Tier:
+    """A tier by name (`TIERS`) or as is."""
+    if isinstance(tier, Tier):
+        return tier
+    if tier not in TIERS:
+        raise ValueError(f"unknown tier {tier!r}; known tiers: {', '.join(TIERS)}")
+    return TIERS[tier]
+
+
+def check_scale_values(tier: Tier, name: str, a) -> None:
+    """Refuse scales no FP4 row may hold: UE8M0 255 (NaN), e4m3 NaN or negative, a non-finite or
+    negative float32 `scale_2`. (W2 rows are not checked here, as before; the native packer
+    refuses UE8M0 255.)"""
+    a = np.asarray(a)
+    if name.endswith("_scale_2"):
+        bad = ~np.isfinite(a) | (a < 0)
+        what = "a non-finite or negative float32 global scale"
+    elif name.endswith("_scales") and tier.scale == "e4m3-16":
+        bad = (a & 0x7F == 0x7F) | (a > 0x80)  # NaN (s.1111.111), or negative (not -0)
+        what = "an e4m3 scale byte that is NaN (0x7f, 0xff) or negative"
+    elif name.endswith("_scales"):
+        bad = a == 255
+        what = "a UE8M0 scale byte of 255 (NaN)"
+    else:
+        return
+    if bad.any():
+        idx = [int(i) for i in np.argwhere(bad)[0]]
+        raise ValueError(
+            f"{name}: {what} at {idx} (expert, row, ...); {tier.name} rows hold finite, "
+            "non-negative scales only: the tier data is corrupt"
+        )
 
 
 class RowLayout:
-    """Where each section of an expert row lives: [w13 codes | w13 scales | w2 codes | w2 scales].
+    """Where each section of an expert row lives: for the W2 tier (the default)
+    [w13 codes | w13 scales | w2 codes | w2 scales]; for another tier (`TIERS`) its parts of w13
+    then its parts of w2, each section 256-byte aligned:
+
+    - `w2` (`LAYOUT_ID`): codes uint8 [N, K/4], scales uint8 [N, K/32] (UE8M0);
+    - `fp4r` (`FP4R_LAYOUT_ID`) and `fp4x-mxfp4` (`MXFP4_LAYOUT_ID`): codes uint8 [N, K/2]
+      (e2m1 nibbles, low nibble = even k), scales uint8 [N, K/32] (UE8M0; fp4r shares the W2
+      scales). The bytes are alike; the ids differ because the data does (re-quantized vs the
+      checkpoint's own);
+    - `fp4r-refine` (`FP4R_REFINE_LAYOUT_ID`): refine uint8 [N, 5K/16], moet-quant's base-5
+      refinement plane only; the W2 row of the same expert supplies codes and scales;
+    - `fp4x-nvfp4` (`NVFP4_LAYOUT_ID`): codes uint8 [N, K/2], scales uint8 [N, K/16] (e4m3),
+      scale_2 float32 [N] (the global scale per output row: a per-projection scalar is repeated
+      over the projection's rows, so gate and up keep their own in the fused w13).
 
     w13 stacks gate over up ([2I, H] logically), w2 is down ([H, I]); I is this rank's share of the
     expert intermediate size. A GPU slot holds a row's first `row_bytes` verbatim, so fetching an
     expert is one copy.
     """
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, tier: str | Tier = "w2"):
         if hidden % 32 or inter % 32 or hidden <= 0 or inter <= 0:
             raise ValueError(
                 f"expert rows need hidden and intermediate sizes that are positive "
                 f"multiples of 32, got hidden={hidden}, intermediate={inter}"
             )
         self.hidden, self.inter = hidden, inter
-        shapes = {
-            "w13_codes": (2 * inter, hidden // 4),
-            "w13_scales": (2 * inter, hidden // 32),
-            "w2_codes": (hidden, inter // 4),
-            "w2_scales": (hidden, inter // 32),
-        }
-        self.sections: dict[str, tuple[int, tuple[int, int]]] = {}
+        self.tier = tier_of(tier)
+        self.layout_id = self.tier.layout_id
+        dims = {"w13": (2 * inter, hidden), "w2": (hidden, inter)}
+        self.sections: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
         offset = 0
-        for name in SECTIONS:
-            self.sections[name] = (offset, shapes[name])
-            offset += -(-shapes[name][0] * shapes[name][1] // SECTION_ALIGN) * SECTION_ALIGN
+        for proj in PROJECTIONS:
+            for part, frac in self.tier.parts:
+                name = f"{proj}_{part}"
+                shape = self.tier.section_shape(part, *dims[proj])
+                self.sections[name] = (offset, shape)
+                self.dtypes[name] = np.dtype("<f4") if frac is None else np.dtype(np.uint8)
+                offset += _ceil(self._nbytes(name), SECTION_ALIGN)
         self.row_bytes = offset
+
+    def _nbytes(self, name: str) -> int:
+        return int(np.prod(self.sections[name][1])) * self.dtypes[name].itemsize
 
     @property
     def spec(self) -> str:
-        """The row-section part of the ABI string."""
-        parts = [f"{n}@{o}:{s[0]}x{s[1]}" for n, (o, s) in self.sections.items()]
-        return f"rows-a{SECTION_ALIGN}[{','.join(parts)}]"
+        """The row-section part of the ABI string (W2: `rows-a256[...]`, as before; other tiers
+        start with their layout id)."""
+
+        def shape(n, s):
+            dims = "x".join(str(d) for d in s)
+            return dims if self.dtypes[n] == np.uint8 else f"{dims}f32"
+
+        parts = [f"{n}@{o}:{shape(n, s)}" for n, (o, s) in self.sections.items()]
+        head = "rows" if self.tier is W2 else self.layout_id
+        return f"{head}-a{SECTION_ALIGN}[{','.join(parts)}]"
 
     def pack(self, **arrays) -> np.ndarray:
-        """Four uint8 arrays [E, *section shape] (names as SECTIONS) -> rows uint8 [E, row_bytes]."""
+        """The tier's sections [E, *section shape] (names as `sections`; uint8, float32 for
+        scale_2) -> rows uint8 [E, row_bytes]. FP4 tiers refuse NaN or negative scales."""
+        missing = set(self.sections) - set(arrays)
+        if missing or len(arrays) != len(self.sections):
+            raise ValueError(
+                f"{self.tier.name} rows take the sections {list(self.sections)}, got {list(arrays)}"
+            )
         n_experts = next(iter(arrays.values())).shape[0]
         rows = np.zeros((n_experts, self.row_bytes), dtype=np.uint8)
         for name, (offset, shape) in self.sections.items():
             a = np.asarray(arrays[name])
-            if a.dtype != np.uint8 or a.shape != (n_experts, *shape):
+            dtype = self.dtypes[name]
+            if a.dtype != dtype or a.shape != (n_experts, *shape):
+                want = "uint8" if dtype == np.uint8 else "float32"
                 raise ValueError(
-                    f"{name}: expected uint8 {[n_experts, *shape]}, found {a.dtype} {list(a.shape)}"
+                    f"{name}: expected {want} {[n_experts, *shape]}, found {a.dtype} {list(a.shape)}"
                 )
-            rows[:, offset : offset + a[0].size] = a.reshape(n_experts, -1)
+            if self.tier is not W2:
+                check_scale_values(self.tier, name, a)
+            flat = np.ascontiguousarray(a).reshape(n_experts, -1).view(np.uint8)
+            rows[:, offset : offset + flat.shape[1]] = flat
         return rows
 
     def unpack(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """rows uint8 [E, >= row_bytes] -> the four sections as views [E, *shape]."""
+        """rows uint8 [E, >= row_bytes] -> the sections as views [E, *shape]."""
         rows = np.asarray(rows)
         if rows.ndim != 2 or rows.shape[1] < self.row_bytes:
             raise ValueError(
@@ -98,16 +265,30 @@ class RowLayout:
             )
         out = {}
         for name, (offset, shape) in self.sections.items():
-            out[name] = rows[:, offset : offset + shape[0] * shape[1]].reshape(-1, *shape)
+            raw = rows[:, offset : offset + self._nbytes(name)]
+            out[name] = raw.view(self.dtypes[name]).reshape(-1, *shape)
         return out
 
     def views(self, row):
-        """One row (numpy or torch, 1-D, >= row_bytes) -> its four sections as views, unpadded.
-        What an op reads from a GPU pool slot."""
-        return {
-            name: row[offset : offset + shape[0] * shape[1]].reshape(shape)
-            for name, (offset, shape) in self.sections.items()
-        }
+        """One row (numpy or torch, 1-D, >= row_bytes) -> its sections as views, unpadded.
+        What an op reads from a GPU pool slot (scale_2 as float32: a view where the row's
+        address allows it, else a copy)."""
+        out = {}
+        for name, (offset, shape) in self.sections.items():
+            raw = row[offset : offset + self._nbytes(name)]
+            if self.dtypes[name] != np.uint8:
+                if isinstance(raw, torch.Tensor):
+                    if raw.storage_offset() % 4:
+                        raw = raw.clone()
+                    raw = raw.view(torch.float32)
+                else:
+                    raw = np.ascontiguousarray(raw).view(self.dtypes[name])
+            out[name] = raw.reshape(shape)
+        return out
+
+
+def _ceil(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 # --- the kernel-native layout ---------------------------------------------------------------------
@@ -115,10 +296,6 @@ class RowLayout:
 GROUP_ROWS = 64  # rows per work item: 4 mma row tiles of 16
 CHUNK_K = 128  # K per 16-byte load of a lane: 4 k-tiles of 32
 PAD_SCALE = 127  # UE8M0 1.0: padded weights stay finite
-
-
-def _ceil(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _unpack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -184,7 +361,10 @@ def logical_matrix(
 class NativeRowLayout:
     """Expert rows in the kernel-native layout (module docstring); the same interface as
     `RowLayout`: `pack` takes the logical sections [E, ...] and `views` returns them, unpacked,
-    from one native row (a copy, not a view)."""
+    from one native row (a copy, not a view). W2 only: the FP4 tiers have no native layout yet."""
+
+    tier = W2
+    layout_id = NATIVE_LAYOUT_ID
 
     def __init__(self, hidden: int, inter: int):
         RowLayout(hidden, inter)  # the same size checks

@@ -19,18 +19,41 @@ projection, and a scale byte of 0 (2**-127, only in all-zero or sub-1e-37 blocks
 Kernel mode computes each projection in float64 from those exact quantized operands; the kernels
 accumulate in float32, so the two agree to float32 rounding, and rarely by one int8 step where a
 value sits on a rounding boundary.
+
+The FP4 tiers (`layout.TIERS`; docs/kernels.md, "FP4 tiers") have their own decoders, all exact in
+float64: `fp4_dequant` (e2m1 nibbles, two per byte, low nibble = even k, times a UE8M0 scale per
+32: `fp4r` and `fp4x-mxfp4`), `nvfp4_dequant` (e2m1 times an e4m3 scale per 16 times a float32
+global scale per row: `fp4x-nvfp4`; at most 2 + 4 + 24 significant bits, so float64 holds every
+product), `refined_codes` (the `fp4r` nibbles rebuilt from W2 codes and moet-quant's refinement
+plane) and `tier_dequant` for any tier. The MoE references take the tier as a parameter (default
+W2, unchanged): `exact` mode rounds the exact weights to float32 once and computes as for W2;
+`kernel` mode takes what an int8 mma kernel computes, `kernel_operands`: 2 * e2m1 is an integer
+level in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, so a weight is an int8 level times half its
+scale (UE8M0: 2**(b - 128), a scale byte of 0 read as 0 as for W2; NVFP4: e4m3 / 2 times the
+row's global scale, per 16 along K). Activations are quantized per token and 32-block as for W2;
+for NVFP4 each 32-block's two 16-halves make separate int32 partial sums, each promoted with
+its own weight scale times the block's activation scale (kernel mode's float64 value is the same
+whichever way the kernel groups these exact products).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from moet_quant import fp4 as _quant_fp4
+from moet_quant.numerics import E2M1_VALUES, E4M3_VALUES, pack_nibbles
+
+from .layout import W2, Tier, tier_of
 
 LEVELS = (-4.0, -1.0, 1.0, 4.0)  # by 2-bit code
 BLOCK = 32  # weights per UE8M0 scale, along K
 CODES_PER_BYTE = 4
 MODES = ("exact", "kernel")
+E2M1_LEVELS = tuple(int(2 * v) for v in E2M1_VALUES)  # int8 level (2 * e2m1) by nibble
+NVFP4_BLOCK = 16  # weights per e4m3 scale, along K
 
 
 def w2_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -83,6 +106,197 @@ def _dequant_activations(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     ).flatten(-2)
 
 
+def _fp4_geometry(codes: torch.Tensor, scales: torch.Tensor, group: int, what: str) -> int:
+    if codes.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise TypeError(
+            f"{what}: codes and scales must be uint8, got {codes.dtype} and {scales.dtype}"
+        )
+    k = codes.shape[-1] * 2 if codes.dim() >= 2 else 0
+    if codes.dim() < 2 or codes.shape[:-1] != scales.shape[:-1] or k != scales.shape[-1] * group:
+        raise ValueError(
+            f"{what}: codes {tuple(codes.shape)} and scales {tuple(scales.shape)} must be "
+            f"[..., N, K/2] (two e2m1 nibbles per byte) and [..., N, K/{group}] with the same "
+            "leading dimensions"
+        )
+    return k
+
+
+def _nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., K/2] -> nibbles int64 [..., K]; the low nibble holds the even k."""
+    return torch.stack([codes & 0xF, codes >> 4], dim=-1).flatten(-2).long()
+
+
+def fp4_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e2m1 nibbles uint8 [..., N, K/2] (low nibble = even k) and UE8M0 scales uint8
+    [..., N, K/32] -> float64 [..., N, K], exact: the `fp4r` and `fp4x-mxfp4` tiers
+    (w = e2m1 * 2**(b - 127); b = 255 is NaN)."""
+    _fp4_geometry(codes, scales, BLOCK, "fp4_dequant")
+    values = torch.from_numpy(E2M1_VALUES).to(codes.device)[_nibbles(codes)]
+    s = torch.where(scales == 255, torch.nan, torch.exp2(scales.to(torch.float64) - 127.0))
+    return values * s.repeat_interleave(BLOCK, dim=-1)
+
+
+def _row_scale_2(scale_2: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    s2 = torch.as_tensor(scale_2).to(torch.float64)
+    if s2.dim() == 0 or s2.numel() == 1:
+        return s2.reshape(()).expand(lead)
+    if tuple(s2.shape) != tuple(lead):
+        raise ValueError(
+            f"NVFP4 scale_2 has shape {tuple(s2.shape)}: expected one float32 per row "
+            f"{tuple(lead)} or a scalar"
+        )
+    return s2
+
+
+def nvfp4_dequant(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """NVFP4 (`fp4x-nvfp4`): e2m1 nibbles uint8 [..., N, K/2], e4m3 scales uint8 [..., N, K/16],
+    float32 global scale per row [..., N] (or a scalar) -> float64 [..., N, K], exact
+    (w = e2m1 * e4m3 * scale_2; an e4m3 NaN byte gives NaN)."""
+    _fp4_geometry(codes, scales, NVFP4_BLOCK, "nvfp4_dequant")
+    values = torch.from_numpy(E2M1_VALUES).to(codes.device)[_nibbles(codes)]
+    s1 = torch.from_numpy(E4M3_VALUES).to(codes.device)[scales.long()]
+    s = s1 * _row_scale_2(scale_2, scales.shape[:-1]).unsqueeze(-1)
+    return values * s.repeat_interleave(NVFP4_BLOCK, dim=-1)
+
+
+def refined_codes(codes: torch.Tensor, refine: torch.Tensor) -> torch.Tensor:
+    """W2 codes uint8 [..., N, K/4] + moet-quant's refinement plane uint8 [..., N, 5K/16] ->
+    the `fp4r` e2m1 nibbles uint8 [..., N, K/2] (low nibble = even k), exactly as
+    `moet_quant.fp4.nibbles_from_refinement` rebuilds them (it raises `FormatError` on a corrupt
+    plane). Computed on the CPU, returned on the codes' device."""
+    if codes.dtype != torch.uint8 or refine.dtype != torch.uint8 or codes.dim() < 2:
+        raise TypeError(
+            f"codes and refine must be uint8 [..., N, K/4] and [..., N, 5K/16], got "
+            f"{codes.dtype} {tuple(codes.shape)} and {refine.dtype} {tuple(refine.shape)}"
+        )
+    if codes.shape[:-1] != refine.shape[:-1]:
+        raise ValueError(
+            f"codes {tuple(codes.shape)} and refine {tuple(refine.shape)} must have the same "
+            "leading dimensions"
+        )
+    c = codes.cpu().numpy().reshape(-1, codes.shape[-1])
+    r = refine.cpu().numpy().reshape(-1, refine.shape[-1])
+    nib = pack_nibbles(_quant_fp4.nibbles_from_refinement(c, r))
+    return torch.from_numpy(np.ascontiguousarray(nib)).view(*codes.shape[:-1], -1).to(codes.device)
+
+
+def _own_parts(tier: Tier, parts: tuple) -> tuple:
+    """A projection's weight parts (`Tier.weight_parts`) -> (codes, scales[, scale_2]) of its
+    own format: the refinement tier's are the rebuilt nibbles and the base's scales."""
+    if tier.base is not None:
+        c, s, r = parts
+        return refined_codes(c, r), s
+    return tuple(parts)
+
+
+def tier_dequant(tier: str | Tier, *parts: torch.Tensor) -> torch.Tensor:
+    """Exact float64 weights [..., N, K] of one projection of any tier, from its parts in
+    `Tier.weight_parts` order (w2: codes, scales; fp4r, fp4x-mxfp4: codes, scales; fp4x-nvfp4:
+    codes, scales, scale_2; fp4r-refine: W2 codes, W2 scales, refine)."""
+    tier = tier_of(tier)
+    if len(parts) != len(tier.weight_parts):
+        raise ValueError(f"{tier.name} takes {tier.weight_parts}, got {len(parts)} tensors")
+    if tier is W2:
+        return w2_dequant(*parts).to(torch.float64)
+    own = _own_parts(tier, parts)
+    return nvfp4_dequant(*own) if tier.scale == "e4m3-16" else fp4_dequant(*own)
+
+
+def fp4_levels(codes: torch.Tensor) -> torch.Tensor:
+    """e2m1 nibbles uint8 [..., K/2] -> int8 levels [..., K]: 2 * e2m1, in
+    {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12} (what an int8 mma kernel multiplies)."""
+    return torch.tensor(E2M1_LEVELS, dtype=torch.int8, device=codes.device)[_nibbles(codes)]
+
+
+def kernel_operands(tier: str | Tier, *parts: torch.Tensor):
+    """One projection as an int8 mma kernel reads it -> (levels int8 [..., N, K], weight scales
+    float64 [..., N, K/group], group), with w = level * scale per group of K:
+
+    - w2: levels {-4, -1, +1, +4}, scale 2**(b - 127), group 32;
+    - fp4r, fp4r-refine, fp4x-mxfp4: levels 2 * e2m1, scale 2**(b - 128) (half the UE8M0 scale),
+      group 32;
+    - fp4x-nvfp4: levels 2 * e2m1, scale e4m3 / 2 * scale_2 (the row's global scale), group 16.
+
+    A UE8M0 byte of 0 (2**-127) is read as 0, as the W2 kernels do (the byte shifted into a float32
+    exponent field); 255 stays NaN. Where neither applies, level * scale is exactly
+    `tier_dequant`'s weight."""
+    tier = tier_of(tier)
+    if len(parts) != len(tier.weight_parts):
+        raise ValueError(f"{tier.name} takes {tier.weight_parts}, got {len(parts)} tensors")
+    if tier is W2:
+        codes, scales = parts
+        w2_dequant(codes, scales)  # validates
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)
+        fields = ((codes.unsqueeze(-1) >> shifts) & 3).flatten(-2).long()
+        levels = torch.tensor((-4, -1, 1, 4), dtype=torch.int8, device=codes.device)[fields]
+        exps, half, group = scales.to(torch.float64) - 127.0, 1.0, BLOCK
+    else:
+        own = _own_parts(tier, parts)
+        codes, scales = own[0], own[1]
+        levels = fp4_levels(codes)
+        if tier.scale == "e4m3-16":
+            _fp4_geometry(codes, scales, NVFP4_BLOCK, tier.name)
+            s1 = torch.from_numpy(E4M3_VALUES).to(codes.device)[scales.long()]
+            s2 = _row_scale_2(own[2], scales.shape[:-1]).unsqueeze(-1)
+            return levels, s1 / 2.0 * s2, NVFP4_BLOCK
+        _fp4_geometry(codes, scales, BLOCK, tier.name)
+        exps, half, group = scales.to(torch.float64) - 127.0, 0.5, BLOCK
+    s = torch.exp2(exps) * half
+    s = torch.where(scales == 0, 0.0, torch.where(scales == 255, torch.nan, s))
+    return levels, s, group
+
+
+def _tier_kernel_weights(tier: Tier, parts: tuple) -> torch.Tensor:
+    """float64 weights as an int8 mma kernel reads them (`kernel_operands`)."""
+    if tier is W2:
+        return _kernel_weights(*parts)
+    levels, s, group = kernel_operands(tier, *parts)
+    return levels.to(torch.float64) * s.repeat_interleave(group, dim=-1)
+
+
+def _tier_exact_weights(tier: Tier, parts: tuple) -> torch.Tensor:
+    """float32 weights for exact mode: W2's exactly as before; FP4's exact float64 values rounded
+    to float32 once (exact for fp4r and MXFP4 within float32's range; NVFP4 products may carry up
+    to 30 significant bits)."""
+    if tier is W2:
+        return w2_dequant(*parts)
+    return tier_dequant(tier, *parts).to(torch.float32)
+
+
+def _check_tier_weights(
+    tier: Tier, name: str, parts: tuple, n: int | None, k: int | None
+) -> tuple[int, int, int]:
+    """Shapes and dtypes of one projection's parts [E, N, ...] of a non-W2 tier."""
+    specs = tier.weight_specs
+    if len(parts) != len(specs):
+        raise ValueError(
+            f"{name}: the {tier.name} tier takes ({', '.join(p for p, _ in specs)}), "
+            f"got {len(parts)} tensors"
+        )
+    first, frac0 = parts[0], specs[0][1]
+    if first.dim() != 3:
+        raise ValueError(
+            f"{name}: {specs[0][0]} must be [E, N, K*{frac0}], got {tuple(first.shape)}"
+        )
+    e, rows = first.shape[0], first.shape[1]
+    kk = int(first.shape[2] / frac0)
+    if kk % BLOCK or kk <= 0:
+        raise ValueError(
+            f"{name}: {specs[0][0]} {tuple(first.shape)} gives K={kk}, not a multiple of 32"
+        )
+    for (part, frac), t in zip(specs, parts, strict=True):
+        shape = (e, rows) if frac is None else (e, rows, int(kk * frac))
+        dtype = torch.float32 if frac is None else torch.uint8
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(
+                f"{name}: {tier.name} {part} must be {dtype} {list(shape)} (K={kk}), got "
+                f"{t.dtype} {list(t.shape)}"
+            )
+    if (n is not None and rows != n) or (k is not None and kk != k):
+        raise ValueError(f"{name}: expected [E, {n}, {k}] weights, got [E, {rows}, {kk}]")
+    return e, rows, kk
+
+
 def _check_expert_weights(
     name: str, codes: torch.Tensor, scales: torch.Tensor, n: int | None, k: int | None
 ) -> tuple[int, int, int]:
@@ -103,9 +317,10 @@ def w2_moe_reference(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor],
-    w2: tuple[torch.Tensor, torch.Tensor],
+    w13: tuple[torch.Tensor, ...],
+    w2: tuple[torch.Tensor, ...],
     mode: str = "exact",
+    tier: str | Tier = "w2",
 ) -> torch.Tensor:
     """The routed-experts part of one MoE layer with W2 weights -> float32 [T, H].
 
@@ -121,7 +336,14 @@ def w2_moe_reference(
     float32; then out[t] = sum over j = 0, 1, ..., k-1 in that fixed order of
     topk_weights[t, j] * y_j, accumulated in float32 (the routing weight is applied after the
     down projection). A slot routed to the same expert twice counts twice.
+
+    `tier` (a `layout.TIERS` name or `Tier`, default "w2"): w13 and w2 are then the tier's
+    per-projection parts in `Tier.weight_parts` order, each [E, N, ...] as in `RowLayout`'s
+    sections (fp4r, fp4x-mxfp4: (codes [E, N, K/2], scales [E, N, K/32]); fp4x-nvfp4: (codes,
+    scales [E, N, K/16], scale_2 float32 [E, N]); fp4r-refine: (W2 codes, W2 scales, refine
+    [E, N, 5K/16])); weights as `_tier_exact_weights` / `kernel_operands` (module docstring).
     """
+    tier = tier_of(tier)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if x.dim() != 2 or not x.is_floating_point():
@@ -132,20 +354,26 @@ def w2_moe_reference(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
             f"must both be [T={t}, k]"
         )
-    e, two_i, _ = _check_expert_weights("w13", *w13, None, h)
+    if tier is W2:
+        e, two_i, _ = _check_expert_weights("w13", *w13, None, h)
+    else:
+        e, two_i, _ = _check_tier_weights(tier, "w13", tuple(w13), None, h)
     if two_i % 2:
         raise ValueError(f"w13 must have 2*I rows (gate then up), got {two_i}")
     inter = two_i // 2
-    e2, _, _ = _check_expert_weights("w2", *w2, h, inter)
+    if tier is W2:
+        e2, _, _ = _check_expert_weights("w2", *w2, h, inter)
+    else:
+        e2, _, _ = _check_tier_weights(tier, "w2", tuple(w2), h, inter)
     if e2 != e:
         raise ValueError(f"w13 has {e} experts but w2 has {e2}")
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
         raise ValueError(f"topk_ids must lie in [0, {e}), got [{topk_ids.min()}, {topk_ids.max()}]")
 
     def experts(i):
-        return w13[0][i], w13[1][i], w2[0][i], w2[1][i]
+        return (*(p[i] for p in w13), *(p[i] for p in w2))
 
-    return _moe(x, topk_ids, topk_weights, inter, experts, mode=mode)
+    return _moe(x, topk_ids, topk_weights, inter, experts, mode=mode, tier=tier)
 
 
 def _kernel_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -154,12 +382,17 @@ def _kernel_weights(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.where((scales == 0).repeat_interleave(BLOCK, dim=-1), 0.0, w)
 
 
-def _moe(x, topk_ids, topk_weights, inter, experts, skip=None, mode="exact") -> torch.Tensor:
-    """The MoE over experts given by `experts(e)` -> (w13 codes, w13 scales, w2 codes, w2
-    scales); experts for which `skip(e)` is true contribute zero. Each expert's routed tokens
+def _moe(
+    x, topk_ids, topk_weights, inter, experts, skip=None, mode="exact", tier="w2"
+) -> torch.Tensor:
+    """The MoE over experts given by `experts(e)` -> w13's then w2's parts of the tier (W2:
+    (w13 codes, w13 scales, w2 codes, w2 scales)); experts for which `skip(e)` is true
+    contribute zero. Each expert's routed tokens
     go through one matmul in token order, and the top-k sum is in slot order, so the result for a
     token does not depend on which other experts were skipped: a replay after a fetch is
     bit-identical to a forward that never missed."""
+    tier = tier_of(tier)
+    n_parts = len(tier.weight_parts)
     t, h = x.shape
     xf = x.to(torch.float32)
     if mode == "kernel":
@@ -170,15 +403,16 @@ def _moe(x, topk_ids, topk_weights, inter, experts, skip=None, mode="exact") -> 
         if skip is not None and skip(expert):
             continue
         tok, slot = torch.nonzero(ids == expert, as_tuple=True)
-        c13, s13, c2, s2 = experts(expert)
+        parts = tuple(experts(expert))
+        p13, p2 = parts[:n_parts], parts[n_parts:]
         if mode == "kernel":
-            gate_up = (xk[tok] @ _kernel_weights(c13, s13).T).to(torch.float32)
+            gate_up = (xk[tok] @ _tier_kernel_weights(tier, p13).T).to(torch.float32)
             act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             ak = _dequant_activations(*quantize_activations(act))
-            slot_out[tok, slot] = (ak @ _kernel_weights(c2, s2).T).to(torch.float32)
+            slot_out[tok, slot] = (ak @ _tier_kernel_weights(tier, p2).T).to(torch.float32)
             continue
-        w13_e = w2_dequant(c13, s13)  # [2I, H]
-        w2_e = w2_dequant(c2, s2)  # [H, I]
+        w13_e = _tier_exact_weights(tier, p13)  # [2I, H]
+        w2_e = _tier_exact_weights(tier, p2)  # [H, I]
         gate_up = xf[tok] @ w13_e.T  # [n, 2I]
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         slot_out[tok, slot] = act @ w2_e.T
@@ -200,6 +434,7 @@ def w2_moe_slots_reference(
     miss_count: torch.Tensor,
     routed: torch.Tensor,
     mode: str = "exact",
+    base: tuple | None = None,
 ) -> torch.Tensor:
     """`w2_moe_reference` over a pool of expert slots (tiered residency, design.md): the route
     op's semantics that the GPU kernels implement too.
@@ -212,26 +447,68 @@ def w2_moe_slots_reference(
     (int32 [1]), and every expert those rows route to is marked in `routed` (uint8 [E]), so the
     runner knows what to fetch. With every routed expert resident the output is bit-identical to
     `w2_moe_reference` on the same weights.
+
+    The tier is the layout's (`RowLayout(hidden, inter, tier)`; W2 by default). The refinement
+    tier's rows hold only the refinement plane: `base` = (pool, slot_table, layout) of the W2
+    rows supplies codes and scales, and an expert counts as resident only when both its rows are
+    (otherwise the pair is a miss: zero, counted, marked).
     """
+    tier = getattr(layout, "tier", W2)
     t, h = x.shape
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < layout.row_bytes:
-        raise ValueError(
-            f"pool must be uint8 [n_slots, >= {layout.row_bytes}], got {pool.dtype} "
-            f"{tuple(pool.shape)}"
-        )
+    _check_pool(pool, layout, "pool")
     if layout.hidden != h:
         raise ValueError(f"x has hidden size {h}, the rows {layout.hidden}")
+    slots = slot_table.long()
+    resident = slots >= 0
+    if tier.base is not None:
+        if base is None:
+            raise ValueError(
+                f"{tier.name} rows hold only the refinement plane: pass base=(pool, slot_table, "
+                f"layout) of the {tier.base.name} rows, which supply codes and scales"
+            )
+        b_pool, b_table, b_layout = base
+        if getattr(b_layout, "tier", W2) is not tier.base or (b_layout.hidden, b_layout.inter) != (
+            layout.hidden,
+            layout.inter,
+        ):
+            raise ValueError(
+                f"base layout must be {tier.base.name} rows of hidden={layout.hidden}, "
+                f"inter={layout.inter}"
+            )
+        _check_pool(b_pool, b_layout, "base pool")
+        b_slots = b_table.long()
+        resident = resident & (b_slots >= 0)
+    elif base is not None:
+        raise ValueError(f"base rows are for the refinement tier, not {tier.name}")
     ids = topk_ids.long()
     real = ids[:n_real_tokens]
-    slots = slot_table.long()
     routed[real.unique()] = 1
-    miss_count += int((slots[real] < 0).sum())
+    miss_count += int((~resident[real]).sum())
 
     def experts(e):
         v = layout.views(pool[int(slots[e])])
-        return v["w13_codes"], v["w13_scales"], v["w2_codes"], v["w2_scales"]
+        if tier.base is not None:
+            v = {**b_layout.views(b_pool[int(b_slots[e])]), **v}
+        return tuple(v[f"{proj}_{part}"] for proj in ("w13", "w2") for part in tier.weight_parts)
 
-    return _moe(x, ids, topk_weights, layout.inter, experts, skip=lambda e: slots[e] < 0, mode=mode)
+    return _moe(
+        x,
+        ids,
+        topk_weights,
+        layout.inter,
+        experts,
+        skip=lambda e: not resident[e],
+        mode=mode,
+        tier=tier,
+    )
+
+
+def _check_pool(pool: torch.Tensor, layout, what: str) -> None:
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < layout.row_bytes:
+        raise ValueError(
+            f"{what} must be uint8 [n_slots, >= {layout.row_bytes}], got {pool.dtype} "
+            f"{tuple(pool.shape)}"
+        )
 
 
 SCORINGS = ("softmax", "sigmoid")
@@ -310,11 +587,19 @@ def _topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 __all__ = [
     "BLOCK",
+    "E2M1_LEVELS",
     "LEVELS",
     "MODES",
+    "NVFP4_BLOCK",
     "SCORINGS",
     "Routing",
+    "fp4_dequant",
+    "fp4_levels",
+    "kernel_operands",
+    "nvfp4_dequant",
+    "refined_codes",
     "route_reference",
+    "tier_dequant",
     "w2_dequant",
     "w2_moe_reference",
     "quantize_activations",
