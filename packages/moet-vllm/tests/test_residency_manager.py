@@ -20,7 +20,14 @@ from moet_kernels.reference import (
     w2_moe_reference,
     w2_moe_slots_reference,
 )
-from moet_vllm.residency.manager import MoetResidencyError, ResidencyManager
+from moet_vllm.residency import sizing
+from moet_vllm.residency.manager import (
+    AutoPool,
+    MoetResidencyError,
+    ResidencyManager,
+    activate,
+    size_auto_pool,
+)
 
 L, E, H, INTER, TOP_K = 3, 8, 64, 32, 2
 LAYOUT = RowLayout(H, INTER)
@@ -373,3 +380,64 @@ def test_serving_replays_the_steps_the_simulator_predicts(tmp_path, n_slots):
     c = mgr.counters
     assert 0 < sim.replay_steps < len(trace)  # the pool is neither too small nor everything
     assert (c.replayed_steps, c.missing_pairs) == (sim.replay_steps, sim.missing_pairs)
+
+
+def test_auto_sizing_takes_what_the_kv_cache_left_less_the_reserve():
+    row, gib = 10 << 20, sizing.GIB
+    # 2 GiB free, 1 GiB reserve: 102 more slots of 10 MiB on top of the 14 of the load-time pool
+    assert sizing.auto_slots(2 * gib, gib, row, 14, 1000, 14, False) == 14 + 102
+    assert sizing.auto_slots(100 * gib, gib, row, 14, 1000, 14, False) == 1000  # one per key
+    assert sizing.auto_slots(gib // 2, gib, row, 14, 1000, 14, False) == 14  # nothing to add
+    with pytest.raises(sizing.MoetSizingError) as e:
+        sizing.auto_slots(gib // 2, gib, row, 4, 1000, 14, False)
+    msg = str(e.value)
+    assert "0.50 GiB free after the KV cache" in msg and "pool_reserve_gib=1" in msg
+    assert "hold 4 expert slots of 10.0 MiB, below the boot floor of 14" in msg
+    assert "leave at least 1.10 GiB free" in msg  # 10 more slots + the reserve
+    assert sizing.auto_slots(gib // 2, gib, row, 4, 1000, 14, True) == 4  # consented
+    # the floor of design.md: 1.15 x 3 layers x top-4 x 1 token x 1 sequence = 13.8
+    assert sizing.boot_floor(3, 4, 1, 1) == 14 and sizing.boot_floor(3, 4, 2, 16) == 111
+    assert sizing.arena_bytes("1.5", 10 * gib) == 3 * gib // 2
+    assert 0 < sizing.arena_bytes("auto", 10 * gib) <= 10 * gib
+
+
+def test_an_auto_pool_resized_before_serving_is_bit_identical(tmp_path, monkeypatch):
+    """gpu_pool=auto: the load-time pool (the floor) serves the profiling passes, then takes the
+    memory the KV cache left; outputs stay those of the resident stack, the saved hot set is
+    preloaded into the new pool."""
+    stack = Stack(5, tmp_path)
+    hot = tmp_path / "pool-hot.json"
+    mgr = manager(stack, 4, hot_path=hot)
+    for x, scan in steps(5, 10):  # vLLM's profile and warm-up passes
+        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
+        assert torch.equal(got, stack.forward(x, None))
+    mgr.save_hot_set()
+    mgr.auto = AutoPool(reserve_bytes=0, floor=4, below_floor_ok=False)
+    activate(mgr)
+    # the KV cache left room for 15 more slots (a fake free-memory figure: the real one is the
+    # host's, far more than this toy needs)
+    monkeypatch.setattr(sizing, "free_bytes", lambda device: 15 * LAYOUT.row_bytes + 100)
+    size_auto_pool()
+    assert mgr.n_slots == 19 and mgr.auto is None and mgr.pool.shape[0] == 19 + E
+    assert int((mgr.slot_table >= 0).sum()) == min(19, len(json.loads(hot.read_text())["keys"]))
+    size_auto_pool()  # idempotent: the hook may run in both worker classes
+    assert mgr.n_slots == 19
+    for x, scan in steps(6, 30):
+        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
+        assert torch.equal(got, stack.forward(x, None))
+    mgr.close()
+
+
+def test_a_pool_that_does_not_fit_is_a_clear_error(tmp_path, monkeypatch):
+    stack = Stack(6, tmp_path)
+    mgr = manager(stack, 4)
+
+    def no_memory(*args, **kwargs):  # an allocator out of memory (the real one cannot be made to
+        raise torch.OutOfMemoryError("CUDA out of memory")  # fail safely on demand)
+
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    with pytest.raises(sizing.MoetSizingError) as e:
+        mgr.resize(1000)
+    msg = str(e.value)
+    assert "a pool of 1000 expert slots (1008 rows with the pinned and staging ones" in msg
+    assert "does not fit in cpu memory" in msg and "lower gpu_pool, or use gpu_pool=auto" in msg

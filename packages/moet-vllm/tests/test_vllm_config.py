@@ -111,6 +111,15 @@ def test_residency_fields_and_their_combinations():
     for bad in ("0", "150%", "-3", "lots"):
         with pytest.raises(MoetConfigError, match=f"gpu_pool={bad!r} is not valid"):
             resolve(None, None, {"MOET_GPU_POOL": bad})
+    auto = resolve(None, {"moet": {"gpu_pool": "auto", "pool_reserve_gib": 0.5}}, {})
+    assert (auto.gpu_pool, auto.pool_reserve_gib, auto.host_arena) == ("auto", 0.5, "auto")
+    with pytest.raises(ValueError, match="no size before the KV cache"):
+        config.pool_slots(auto, 200)
+    assert resolve(None, None, {"MOET_HOST_ARENA": "1.5"}).host_arena == "1.5"
+    for name, bad in (("POOL_RESERVE_GIB", "-1"), ("POOL_RESERVE_GIB", "nan"),
+                      ("POOL_RESERVE_GIB", "auto"), ("HOST_ARENA", "big")):  # fmt: skip
+        with pytest.raises(MoetConfigError, match=f"MOET_{name}.*a size in GiB"):
+            resolve(None, None, {f"MOET_{name}": bad})
     with pytest.raises(MoetConfigError, match="MOET_MAX_REPLAYS.*an integer >= 1"):
         resolve(None, None, {"MOET_MAX_REPLAYS": "0"})
     with pytest.raises(MoetConfigError, match="only miss_mode='approximate' allows"):

@@ -90,6 +90,30 @@ def test_a_pool_below_the_floor_is_refused_with_the_number_that_works(model, cac
     assert "set gpu_pool >= 14" in r["log"]
 
 
+def test_an_auto_pool_takes_what_the_kv_cache_leaves(model, cache, tmp_path):
+    """gpu_pool=auto: one slot at load, then, once vLLM has allocated the KV cache and before it
+    warms up, every slot the host's available memory holds less the reserve: here all 192 pairs
+    (the fixture is small), so the tokens are the resident run's; a reserve larger than the
+    machine is refused at that point, naming the memory that would work."""
+    one_seq = ["--max-num-seqs", "1"]
+    prompts = fixture_prompts(2)
+    env = {"MOET_GPU_POOL": "auto", "MOET_KPI_EVERY": "2", "MOET_CACHE_DIR": str(cache)}
+    auto = run_vllm(model, tmp_path, "auto", env=env, extra=one_seq, prompts=prompts)
+    assert auto["tokens"] == hf_reference_tokens(FIXTURE, model, prompts=prompts)
+    log = auto["log"]
+    assert "tiered residency: 1 expert slots" in log and "re-sized once the KV cache" in log
+    sized = re.search(r"gpu_pool=auto: [\d.]+ GiB free after the KV cache, 2.00 GiB kept free "
+                      r"\(pool_reserve_gib\): 192 expert slots \(pool coverage 100.0%", log)  # fmt: skip
+    assert sized, log[-3000:]
+    assert log.index("GiB for KV cache") < sized.start()  # vLLM's KV cache line comes first
+    env["MOET_POOL_RESERVE_GIB"] = "100000"
+    r = run_vllm(model, tmp_path, "auto-refused", env=env, extra=one_seq, check=False)
+    assert r["returncode"] != 0
+    assert re.search(r"GiB free after the KV cache, less pool_reserve_gib=100000, hold 1 "
+                     r"expert slots of [\d.]+ MiB, below the boot floor of 14: leave at least "
+                     r"100000\.\d\d GiB free", r["log"]), r["log"][-3000:]  # fmt: skip
+
+
 def test_openai_server_reports_residency_on_metrics(model, tmp_path):
     """`moet serve` with a partial pool: completions work, and the workers' residency counters
     reach the API server's Prometheus `/metrics` (residency/metrics.py)."""

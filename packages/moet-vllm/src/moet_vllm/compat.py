@@ -281,6 +281,32 @@ def wrap_model_forward(run_step) -> None:
     GPUModelRunner._model_forward = _model_forward
 
 
+def before_warm_up(hook) -> None:
+    """`hook(worker)` runs first in every worker's `compile_or_warm_up_model`: after its KV cache
+    is allocated and before CUDA graphs are captured (touch point 8; the GPU and CPU workers
+    each define the method). `hook` must be idempotent."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    classes = [Worker]
+    try:
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        classes.append(CPUWorker)
+    except ImportError:  # a CUDA build of vLLM
+        pass
+    for cls in classes:
+        original = cls.__dict__.get("compile_or_warm_up_model")
+        if original is None or getattr(original, "__moet__", False):
+            continue
+
+        def compile_or_warm_up_model(self, *args, _original=original, **kwargs):
+            hook(self)
+            return _original(self, *args, **kwargs)
+
+        compile_or_warm_up_model.__moet__ = True
+        cls.compile_or_warm_up_model = compile_or_warm_up_model
+
+
 def check_residency_supported(cfg) -> tuple[int, int]:
     """Refuse, at boot, the settings under which a replay would deadlock or corrupt state
     (design.md); -> (max_num_seqs, speculative tokens per step) for the boot floor."""

@@ -10,6 +10,7 @@ value found, what is allowed and where it came from.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,8 +42,10 @@ class MoetConfig:
     pack_cache: bool = True  # persistent quantization cache (moet-store packs)
     cache_dir: str | None = None  # default: $XDG_CACHE_HOME/moet
     # -- tiered residency (docs/residency.md) --
-    gpu_pool: str = "all"  # expert slots on the device: "all" (no tiering), N slots, or "P%"
+    gpu_pool: str = "all"  # expert slots on the device: "all" (no tiering), N, "P%" or "auto"
+    pool_reserve_gib: float = 2.0  # gpu_pool=auto: device memory left free after the pool
     host_tier: str = "ram"  # where non-resident experts come from: ram, pagecache, tiered
+    host_arena: str = "auto"  # host_tier=tiered: the pinned arena in GiB, or "auto"
     miss_mode: str = "strict"  # strict: fail rather than serve zeroed experts; approximate
     miss_tolerance: int = 0  # approximate mode: skip the replay when <= this many pairs missed
     max_replays: int = 4  # replays per step (second-order misses) before the step fails
@@ -76,7 +79,9 @@ USER_FIELDS = (
     "pack_cache",
     "cache_dir",
     "gpu_pool",
+    "pool_reserve_gib",
     "host_tier",
+    "host_arena",
     "miss_mode",
     "miss_tolerance",
     "max_replays",
@@ -136,11 +141,24 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         return n
     if name == "gpu_pool":
         text = str(value).strip()
-        if text == "all" or (text.endswith("%") and _is_percent(text[:-1])):
+        if text in ("all", "auto") or (text.endswith("%") and _is_percent(text[:-1])):
             return text
         if text.isascii() and text.isdigit() and int(text) > 0:
             return text
-        raise bad('"all", a number of expert slots (> 0), or a percentage of the experts ("25%")')
+        raise bad(
+            '"all", "auto", a number of expert slots (> 0), or a percentage of the experts ("25%")'
+        )
+    if name in ("pool_reserve_gib", "host_arena"):
+        text = str(value).strip()
+        if name == "host_arena" and text == "auto":
+            return text
+        try:
+            gib = float(text) if not isinstance(value, bool) else -1.0
+        except ValueError:
+            gib = -1.0
+        if not (math.isfinite(gib) and gib >= 0):
+            raise bad(('"auto" or ' if name == "host_arena" else "") + "a size in GiB (>= 0)")
+        return gib if name == "pool_reserve_gib" else text
     if name in ("pack_cache", "below_floor_ok", "predict"):
         if isinstance(value, bool):
             return value
@@ -283,9 +301,12 @@ def _check_combinations(cfg: MoetConfig) -> None:
 
 def pool_slots(cfg: MoetConfig, n_keys: int) -> int | None:
     """The device pool's size in expert slots for a model of `n_keys` (MoE layer, expert) pairs;
-    None when every expert is resident (no tiering)."""
+    None when every expert is resident (no tiering). "auto" is sized once the KV cache is
+    allocated (residency.sizing.auto_slots), not here."""
     if cfg.gpu_pool == "all":
         return None
+    if cfg.gpu_pool == "auto":
+        raise ValueError("gpu_pool='auto' has no size before the KV cache is allocated")
     if cfg.gpu_pool.endswith("%"):
         n = int(n_keys * float(cfg.gpu_pool[:-1]) / 100)
     else:

@@ -20,6 +20,7 @@ import moet_store
 from moet_kernels.layout import LAYOUT_ID, RowLayout
 
 from .config import MoetConfig
+from .residency.sizing import arena_bytes
 
 log = logging.getLogger(__name__)
 TAG = "w2"
@@ -120,12 +121,16 @@ class ExpertPackCache:
         """Where tiered residency persists the device pool's hot set (next to the pack)."""
         return self.directory / (self.spec.file_name + ".pool-hot.json")
 
-    def open_store(self, backend: str) -> moet_store.Store:
-        """The packs as a host tier for tiered residency (after every layer is written)."""
+    def open_store(self, backend: str, host_arena: str = "auto") -> moet_store.Store:
+        """The packs as a host tier for tiered residency (after every layer is written); the
+        `tiered` backend's pinned arena sized by `host_arena` (GiB, or "auto")."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        return moet_store.open_store(self.directory, self.spec, backend=backend)
+        kwargs = {}
+        if backend == "tiered":
+            kwargs["arena_bytes"] = arena_bytes(host_arena, self.spec.n_rows * self.spec.stride)
+        return moet_store.open_store(self.directory, self.spec, backend=backend, **kwargs)
 
     def close(self) -> None:
         for handle in (self._writer, self._store):

@@ -25,7 +25,6 @@ misses that the runner hook (compat point 7) fetches and replays.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from typing import Any
@@ -57,6 +56,7 @@ from .experts import ExpertSource, OfficialSource
 from .packcache import ExpertPackCache
 from .residency import manager as residency
 from .residency.manager import MoetResidencyError, ResidencyManager
+from .residency.sizing import GIB, boot_floor
 
 log = logging.getLogger("vllm.moet")
 PARAMS = {  # RowLayout section -> parameter name
@@ -435,24 +435,22 @@ class MoetQuantConfig(QuantizationConfig):
         cfg, src = self._cfg, session.source
         mtp = src.mtp_layers
         n_tiered_keys = (len(src.moe_layers) - len(mtp)) * src.n_experts
-        n_slots = pool_slots(cfg, n_tiered_keys) or n_tiered_keys
         max_num_seqs, num_spec = self._serving
-        floor = math.ceil(
-            1.15
-            * (len(src.moe_layers) - len(mtp))
-            * layer.top_k
-            * (1 + num_spec)
-            * min(max_num_seqs, 4)
-        )
-        if n_slots < floor and not cfg.below_floor_ok:
-            raise MoetResidencyError(
-                f"moet: gpu_pool={cfg.gpu_pool!r} gives {n_slots} expert slots, below the boot "
-                f"floor of {floor} (1.15 x {len(src.moe_layers) - len(mtp)} MoE layers x top-"
-                f"{layer.top_k} x {1 + num_spec} tokens/step x min(max_num_seqs, 4)): set "
-                f"gpu_pool >= {floor}, lower max_num_seqs, or accept replays on most steps "
-                "with below_floor_ok=true"
-            )
-        store = session.cache.open_store(cfg.host_tier)
+        n_moe = len(src.moe_layers) - len(mtp)
+        floor = boot_floor(n_moe, layer.top_k, 1 + num_spec, max_num_seqs)
+        if cfg.gpu_pool == "auto":  # sized once the KV cache is allocated; until then one
+            n_slots = 1  # slot and the staging area serve vLLM's profiling passes (streamed)
+        else:
+            n_slots = pool_slots(cfg, n_tiered_keys) or n_tiered_keys
+            if n_slots < floor and not cfg.below_floor_ok:
+                raise MoetResidencyError(
+                    f"moet: gpu_pool={cfg.gpu_pool!r} gives {n_slots} expert slots, below the "
+                    f"boot floor of {floor} (1.15 x {n_moe} MoE layers x top-{layer.top_k} x "
+                    f"{1 + num_spec} tokens/step x min(max_num_seqs, 4)): set gpu_pool >= "
+                    f"{floor}, lower max_num_seqs, or accept replays on most steps with "
+                    "below_floor_ok=true"
+                )
+        store = session.cache.open_store(cfg.host_tier, cfg.host_arena)
         mgr = ResidencyManager(
             src.layout,
             src.moe_layers,
@@ -468,6 +466,11 @@ class MoetQuantConfig(QuantizationConfig):
             predict=cfg.predict,
             rank=layer.moe_config.tp_rank,
         )
+        if cfg.gpu_pool == "auto":
+            mgr.auto = residency.AutoPool(
+                int(cfg.pool_reserve_gib * GIB), floor, cfg.below_floor_ok
+            )
+            compat.before_warm_up(residency.size_auto_pool)
         session.source.close()
         residency.activate(mgr)
 

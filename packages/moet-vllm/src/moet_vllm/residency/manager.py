@@ -6,7 +6,8 @@ One `ResidencyManager` per worker process serves every MoE layer of the model:
 * `pool` uint8 [n_slots, row_bytes]: expert rows (`moet_kernels.layout.RowLayout`), one slot each;
   `slot_table` int32 [moe_layers, E] (-1: not resident); `miss_count` int32 [1] and `routed` uint8
   [moe_layers, E], which the MoE layers' route op fills during a forward pass. All are allocated
-  once, at load, and never move (a CUDA graph reads them by address).
+  at load and never move once serving starts (a CUDA graph reads them by address); only
+  `gpu_pool=auto` re-sizes the pool once, after the KV cache and before graph capture (`resize`).
 * the host tier: a moet-store `Store` over the model's pack files (backend ram, pagecache or
   tiered), the source of every fetch;
 * the policy (`policy.ResidencyPolicy`): which experts to fetch into which slots, which to evict.
@@ -36,6 +37,7 @@ import torch
 
 from ..compat import MoetVllmError
 from ..config import coerce_runtime
+from . import sizing
 from .metrics import Publisher, TuneWatcher
 from .policy import Plan, ResidencyPolicy, key_pairs
 
@@ -45,6 +47,15 @@ _active: ResidencyManager | None = None
 
 class MoetResidencyError(MoetVllmError):
     """A step whose experts could not all be made resident (strict mode), or a failed fetch."""
+
+
+@dataclass(frozen=True)
+class AutoPool:
+    """A `gpu_pool=auto` pool still to be sized, once the KV cache is allocated."""
+
+    reserve_bytes: int  # memory left free (pool_reserve_gib)
+    floor: int  # the boot floor, in slots
+    below_floor_ok: bool
 
 
 def active() -> ResidencyManager | None:
@@ -99,21 +110,10 @@ class ResidencyManager:
         self.moe_layers = list(moe_layers)  # model layer index of each MoE-layer ordinal
         self.pinned = [self.moe_layers.index(m) for m in pinned_layers]
         self.tiered = [o for o in range(len(self.moe_layers)) if o not in self.pinned]
-        n_pinned = len(self.pinned) * n_experts
-        self.n_slots = n_slots
-        # [policy slots | pinned (MTP) slots | staging: one layer's experts, for overflow]
-        self.stage0 = n_slots + n_pinned
-        self.pool = torch.zeros(
-            self.stage0 + n_experts, layout.row_bytes, dtype=torch.uint8, device=device
-        )
+        self.device, self.predict = torch.device(device), predict
         self.streaming = False  # this forward stages what the pool cannot hold, layer by layer
-        self.slot_table = torch.full((len(self.moe_layers), n_experts), -1, dtype=torch.int32)
-        self.slot_table = self.slot_table.to(device)
         self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.routed = torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, device=device)
-        self.policy = ResidencyPolicy(
-            n_slots, len(self.tiered), n_experts, **({} if predict else {"predict_threshold": 0.0})
-        )
         self._token_ids: np.ndarray | None = None  # the step's input tokens, when predicting
         self._routes: dict[int, torch.Tensor] = {}  # tiered ordinal -> this pass's ids
         self.miss_mode, self.miss_tolerance = miss_mode, miss_tolerance
@@ -126,13 +126,52 @@ class ResidencyManager:
         self.publisher = Publisher(rank)  # counters for vLLM's /metrics (metrics.py)
         self.tune = TuneWatcher()  # `moet tune`: runtime settings (metrics.py)
         self._pinned_host: list[int] = []  # host-tier buffers registered with CUDA
-        if self.pool.is_cuda:
+        self.auto: AutoPool | None = None  # gpu_pool=auto: sized by size_auto_pool()
+        if self.device.type == "cuda":
             self._pin_host_tier()
+        self._allocate(n_slots)
+
+    def _allocate(self, n_slots: int) -> None:
+        """The pool of `n_slots` policy slots, an empty slot table and policy; the pinned layers'
+        experts loaded."""
+        n_experts = self.n_experts
+        self.n_slots = n_slots
+        # [policy slots | pinned (MTP) slots | staging: one layer's experts, for overflow]
+        self.stage0 = n_slots + len(self.pinned) * n_experts
+        self.pool = None  # the old pool's memory is free before the new one is taken
+        rows = self.stage0 + n_experts
+        try:
+            self.pool = torch.zeros(
+                rows, self.layout.row_bytes, dtype=torch.uint8, device=self.device
+            )
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            need = rows * self.layout.row_bytes
+            raise sizing.MoetSizingError(
+                f"moet: a pool of {n_slots} expert slots ({rows} rows with the pinned and staging "
+                f"ones, {need / sizing.GIB:.2f} GiB) does not fit in {self.device} memory "
+                f"({sizing.free_bytes(self.device) / sizing.GIB:.2f} GiB free): lower gpu_pool, or "
+                "use gpu_pool=auto"
+            ) from e
+        self.slot_table = torch.full((len(self.moe_layers), n_experts), -1, dtype=torch.int32)
+        self.slot_table = self.slot_table.to(self.device)
+        self.policy = ResidencyPolicy(
+            n_slots,
+            len(self.tiered),
+            n_experts,
+            **({} if self.predict else {"predict_threshold": 0.0}),
+        )
         # pinned layers (MTP drafter): slots n_slots.., filled once
         for i, o in enumerate(self.pinned):
             slots = n_slots + i * n_experts + np.arange(n_experts)
             self._copy_rows([(o, e) for e in range(n_experts)], slots)
             self.slot_table[o] = torch.from_numpy(slots.astype(np.int32))
+
+    def resize(self, n_slots: int) -> int:
+        """A pool of `n_slots` instead, before serving (`gpu_pool=auto`, after the KV cache and
+        before graph capture): the old pool is dropped, the new one starts from the saved hot set
+        (-> experts preloaded). Never once a CUDA graph holds the pool's address."""
+        self._allocate(n_slots)
+        return self.load_hot_set()
 
     # -- the MoE layers' view --
 
@@ -448,7 +487,7 @@ def activate(manager: ResidencyManager) -> None:
     loaded = manager.load_hot_set()
     log.info(
         "moet: tiered residency: %d expert slots for %d MoE layers x %d experts (pool coverage "
-        "%.1f%%, %.1f MB), %d pinned (MTP), host tier %s; warm start: %d experts preloaded",
+        "%.1f%%, %.1f MB), %d pinned (MTP), host tier %s; warm start: %d experts preloaded%s",
         manager.n_slots,
         len(manager.tiered),
         manager.n_experts,
@@ -456,6 +495,34 @@ def activate(manager: ResidencyManager) -> None:
         manager.pool.numel() / 1e6,
         len(manager.pinned) * manager.n_experts,
         getattr(manager.store, "backend", "?"),
+        loaded,
+        "; gpu_pool=auto: re-sized once the KV cache is allocated" if manager.auto else "",
+    )
+
+
+def size_auto_pool(worker=None) -> None:
+    """`gpu_pool=auto`: the pool takes the memory left once the KV cache is allocated, less the
+    reserve, before any CUDA graph is captured (compat touch point 8; runs once)."""
+    mgr = _active
+    if mgr is None or mgr.auto is None:
+        return
+    auto, mgr.auto = mgr.auto, None
+    free = sizing.free_bytes(mgr.device)
+    n_keys = len(mgr.tiered) * mgr.n_experts
+    row = mgr.layout.row_bytes
+    n = sizing.auto_slots(
+        free, auto.reserve_bytes, row, mgr.n_slots, n_keys, auto.floor, auto.below_floor_ok
+    )
+    loaded = mgr.resize(n)
+    log.info(
+        "moet: gpu_pool=auto: %.2f GiB free after the KV cache, %.2f GiB kept free "
+        "(pool_reserve_gib): %d expert slots (pool coverage %.1f%%, %.1f MB); warm start: %d "
+        "experts preloaded",
+        free / sizing.GIB,
+        auto.reserve_bytes / sizing.GIB,
+        n,
+        100 * mgr.coverage,
+        mgr.pool.numel() / 1e6,
         loaded,
     )
 
