@@ -192,8 +192,16 @@ def ci(session: nox.Session) -> None:
 @nox.session(python=False)
 @nox.parametrize(
     "what",
-    ["quant", "store", "vllm_load", "residency", "residency_serving", "kernels"],
-    ids=["quant", "store", "vllm_load", "residency", "residency_serving", "kernels"],
+    ["quant", "store", "vllm_load", "residency", "residency_serving", "residency_gpu", "kernels"],
+    ids=[
+        "quant",
+        "store",
+        "vllm_load",
+        "residency",
+        "residency_serving",
+        "residency_gpu",
+        "kernels",
+    ],
 )
 def bench(session: nox.Session, what: str) -> None:
     """Benchmarks, not timed tests: ratios to a baseline of the same run; JSON in bench/results/.
@@ -204,6 +212,10 @@ def bench(session: nox.Session, what: str) -> None:
     residency: the expert-pool policy vs Belady on synthetic and the fixture's routing traces
     (docs/residency.md);
     residency_serving: vLLM CPU decode tokens/s with a 100/50/25% expert pool vs all resident;
+    residency_gpu: the serving manager, a moet-store host tier and moet-kernels in a captured CUDA
+    graph (bench/h200/residency.sh on the H200; on a CPU pass a toy stack, e.g. `-- --hidden 256
+    --inter 128 --experts 16 --layers 2`): bit-identity, replay % and step time vs pool coverage,
+    fetch vs pinned H2D (docs/residency.md);
     kernels: needs a CUDA GPU (bench/h200/kernels.sh on the H200): validates the W2 MoE op against
     float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md).
     """
