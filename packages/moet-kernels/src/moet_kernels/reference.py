@@ -233,13 +233,12 @@ def kernel_operands(tier: str | Tier, *parts: torch.Tensor):
     else:
         own = _own_parts(tier, parts)
         codes, scales = own[0], own[1]
+        _fp4_geometry(codes, scales, NVFP4_BLOCK if tier.scale == "e4m3-16" else BLOCK, tier.name)
         levels = fp4_levels(codes)
         if tier.scale == "e4m3-16":
-            _fp4_geometry(codes, scales, NVFP4_BLOCK, tier.name)
             s1 = torch.from_numpy(E4M3_VALUES).to(codes.device)[scales.long()]
             s2 = _row_scale_2(own[2], scales.shape[:-1]).unsqueeze(-1)
             return levels, s1 / 2.0 * s2, NVFP4_BLOCK
-        _fp4_geometry(codes, scales, BLOCK, tier.name)
         exps, half, group = scales.to(torch.float64) - 127.0, 0.5, BLOCK
     s = torch.exp2(exps) * half
     s = torch.where(scales == 0, 0.0, torch.where(scales == 255, torch.nan, s))
