@@ -220,6 +220,8 @@ def test_w2_layout_is_unchanged_by_the_tier_parameter():
     assert a.sections == b.sections and a.spec == b.spec and a.row_bytes == b.row_bytes
     assert a.spec.startswith("rows-a256[w13_codes@0:128x24,")
     assert a.layout_id == LAYOUT_ID
+    sec = {n: np.zeros((1, *shape), np.uint8) for n, (_, shape) in a.sections.items()}
+    assert a.pack(**sec, unrelated=np.zeros(3)).shape == (1, a.row_bytes)  # extras: ignored
 
 
 def test_layouts_refuse_bad_shapes_dtypes_and_nan_scales():
@@ -237,6 +239,8 @@ def test_layouts_refuse_bad_shapes_dtypes_and_nan_scales():
             lay.pack(**bad)
         with pytest.raises(ValueError, match="rows take the sections"):
             lay.pack(**{k: v for k, v in sec.items() if k != first})
+        with pytest.raises(ValueError, match="rows take the sections"):
+            lay.pack(**sec, w13_extra=sec[first])
     lay = RowLayout(hidden, inter, "fp4x-nvfp4")
     sec = sections_of("fp4x-nvfp4", *make_experts("fp4x-nvfp4", rng, 2, hidden, inter))
     with pytest.raises(ValueError, match=r"w13_scale_2: expected float32 \[2, 64\], found float64"):

@@ -234,9 +234,11 @@ class RowLayout:
 
     def pack(self, **arrays) -> np.ndarray:
         """The tier's sections [E, *section shape] (names as `sections`; uint8, float32 for
-        scale_2) -> rows uint8 [E, row_bytes]. FP4 tiers refuse NaN or negative scales."""
+        scale_2) -> rows uint8 [E, row_bytes]. FP4 tiers refuse NaN or negative scales and
+        sections of another tier."""
         missing = set(self.sections) - set(arrays)
-        if missing or len(arrays) != len(self.sections):
+        extra = set(arrays) - set(self.sections) if self.tier is not W2 else ()  # W2: as before
+        if missing or extra:
             raise ValueError(
                 f"{self.tier.name} rows take the sections {list(self.sections)}, got {list(arrays)}"
             )
