@@ -10,9 +10,10 @@ same run replays the trace through LRU, LFU, decayed frequency, the serving poli
 frequency plus the fetch of the experts a step's tokens are predicted to route: traces with
 tokens only), Belady's MIN and Belady for replay steps, MIN with prefetch on replay steps, and
 computes the lower bounds (simulate.py explains them all). Every policy starts from the same warm
-pool, the experts most routed over the whole trace (the hot set a long run would have persisted:
-without it, experts first seen in the measured steps miss under every policy alike), and the
-first quarter of the steps, which lets the online policies' scores settle, is not counted. Pools
+pool, the experts most routed in the first quarter of the steps (the hot set a server would have
+persisted from past traffic; the whole trace's hottest would tell every policy, Belady most, what
+the measured steps route), and that first quarter, which lets the online policies' scores
+settle, is not counted. Pools
 smaller than 1.15x the largest step (the boot floor's margin) are skipped. Target: the serving
 policy's replay % within 1.5x of Belady's.
 
@@ -133,7 +134,9 @@ def job(args: tuple) -> dict:
         row["skipped"] = f"pool below 1.15 x the widest step ({widest} pairs)"
         return row
     t0 = time.perf_counter()
-    init = sim.hottest(steps, n_slots)  # the hot set a long run would have persisted
+    # the persisted hot set of a warm start, from the past only: the warm-up quarter (the hottest
+    # keys of the whole trace would tell every policy, and Belady most, what the future routes)
+    init = sim.hottest(steps[:warm], n_slots)
     kw = {"warmup": warm, "initial": init, "slot_bytes": tr["slot_bytes"]}
     toks = sim.step_tokens(tr["ids"], tr["tokens"], E, batch) if tr["tokens"] is not None else None
 
@@ -597,8 +600,8 @@ def main() -> None:
             "predict_threshold": pol.DEFAULT_PREDICT_THRESHOLD,
             "prefetch_on_replay (min+pf)": sim.DEFAULT_PREFETCH,
         },
-        "protocol": "warm start: every policy preloads the experts most routed over the whole "
-        "trace; the first quarter of the steps is not counted; batch B cuts the trace into B "
+        "protocol": "warm start: every policy preloads the experts most routed in the first "
+        "quarter of the steps (the past); that first quarter of the steps is not counted; batch B cuts the trace into B "
         "concurrent sequences; serving = predict where the trace has tokens (the fixture), "
         "else decay (prediction needs tokens)",
         "traces": info,
