@@ -255,7 +255,7 @@ def main() -> int:
         spec = write_packs(directory, lay, n_layers, n_experts, args.seed, dev)
         print(f"packs written in {time.time() - t0:.1f} s", flush=True)
         n_keys = n_layers * n_experts
-        hot = simulate.hottest(steps, n_keys)  # the warm start: most routed first
+        hot = simulate.hottest(steps[:warmup], n_keys)  # the warm start, from the past only
         reference = None
         resident_step = None
         # all-resident once more at the end: the run-to-run noise of the baseline
