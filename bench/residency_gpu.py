@@ -3,6 +3,7 @@ moet-kernels' W2 MoE op in a captured CUDA graph, driven by a routing trace (iss
 
     python bench/residency_gpu.py [--device cuda] [--layers 8] [--experts 256] [--hidden 6144]
         [--inter 2048] [--top-k 8] [--steps 384] [--coverages 1.0 0.9 0.8 ...] [--out DIR]
+        [--host-tier ram|tiered|pagecache] [--arena-gib G]
 
 The model is a stack of MoE layers, x <- x + moe(rms_norm(x)), decoding one token per step; the
 routing of step t, layer l is the trace's (synthetic, GLM-5.2-shaped: moet_vllm.residency.traces),
@@ -10,7 +11,7 @@ its weights fixed random. One forward pass is one CUDA graph (on the CPU: eager,
 
 - all-resident: every expert in the pool; each step's output is the reference;
 - per coverage c: a pool of c of the experts, the serving policy, the batched fetch from a
-  moet-store `ram` host tier (pinned), replays. Every step's output must be bit-identical to the
+  moet-store host tier (`ram` by default; `tiered`: a pinned arena over the pack files), replays. Every step's output must be bit-identical to the
   all-resident run's; reported: replay % of steps, missing pairs per step, step time vs
   all-resident, fetch bandwidth vs a plain pinned H2D copy of the same rows measured in the same
   run, and the simulator's replay % for the same trace and pool (same warm start).
@@ -221,6 +222,15 @@ def main() -> int:
                     default=[1.0, 0.95, 0.9, 0.88, 0.86, 0.84, 0.82, 0.8, 0.7, 0.6, 0.5])  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packs", help="pack directory (default: a temporary one)")
+    ap.add_argument(
+        "--host-tier",
+        choices=("ram", "tiered", "pagecache"),
+        default="ram",
+        help="moet-store backend of the host tier (tiered: a pinned arena over the "
+        "pack files, read with O_DIRECT where the file system allows)",
+    )
+    ap.add_argument("--arena-gib", type=float, default=None,
+                    help="host_tier=tiered: the arena's size (default: moet-store's)")  # fmt: skip
     ap.add_argument("--out", help="result folder (default bench/results/residency_gpu/)")
     args = ap.parse_args()
     dev, n_layers, n_experts, k = args.device, args.layers, args.experts, args.top_k
@@ -244,6 +254,7 @@ def main() -> int:
     weights = (w / w.sum(-1, keepdim=True)).to(dev)
     report = {
         "environment": {**provenance([sys.executable, *sys.argv]), "device": dev},
+        "host_tier": args.host_tier,
         "model": {"layers": n_layers, "experts": n_experts, "hidden": args.hidden,
                   "inter": args.inter, "top_k": k, "row_bytes": lay.row_bytes,
                   "trace": profile.model, "steps": args.steps, "warmup_steps": warmup},
@@ -261,7 +272,8 @@ def main() -> int:
         # all-resident once more at the end: the run-to-run noise of the baseline
         for cov in [*sorted(set(args.coverages), reverse=True), 1.0]:
             n_slots = max(1, int(round(cov * n_keys)))
-            store = moet_store.open_store(directory, spec, backend="ram")
+            arena = {} if args.arena_gib is None else {"arena_bytes": int(args.arena_gib * 2**30)}
+            store = moet_store.open_store(directory, spec, backend=args.host_tier, **arena)
             mgr = ResidencyManager(
                 lay, list(range(n_layers)), n_experts, n_slots, store, kpi_every=0,
                 predict=False, device=dev, reduce_max=int,  # one rank: no TP consensus
