@@ -3,7 +3,7 @@ moet-kernels' W2 MoE op in a captured CUDA graph, driven by a routing trace (iss
 
     python bench/residency_gpu.py [--device cuda] [--layers 8] [--experts 256] [--hidden 6144]
         [--inter 2048] [--top-k 8] [--steps 384] [--coverages 1.0 0.9 0.8 ...] [--out DIR]
-        [--host-tier ram|tiered|pagecache] [--arena-gib G]
+        [--host-tier ram|tiered|pagecache] [--arena-gib G] [--warm-start trace|past]
 
 The model is a stack of MoE layers, x <- x + moe(rms_norm(x)), decoding one token per step; the
 routing of step t, layer l is the trace's (synthetic, GLM-5.2-shaped: moet_vllm.residency.traces),
@@ -229,6 +229,9 @@ def main() -> int:
         help="moet-store backend of the host tier (tiered: a pinned arena over the "
         "pack files, read with O_DIRECT where the file system allows)",
     )
+    ap.add_argument("--warm-start", choices=("trace", "past"), default="trace",
+                    help="preloaded experts: the whole trace's hottest (steady state) or the "
+                    "warm-up quarter's (cold)")  # fmt: skip
     ap.add_argument("--arena-gib", type=float, default=None,
                     help="host_tier=tiered: the arena's size (default: moet-store's)")  # fmt: skip
     ap.add_argument("--out", help="result folder (default bench/results/residency_gpu/)")
@@ -255,6 +258,7 @@ def main() -> int:
     report = {
         "environment": {**provenance([sys.executable, *sys.argv]), "device": dev},
         "host_tier": args.host_tier,
+        "warm_start": args.warm_start,
         "model": {"layers": n_layers, "experts": n_experts, "hidden": args.hidden,
                   "inter": args.inter, "top_k": k, "row_bytes": lay.row_bytes,
                   "trace": profile.model, "steps": args.steps, "warmup_steps": warmup},
@@ -266,7 +270,10 @@ def main() -> int:
         spec = write_packs(directory, lay, n_layers, n_experts, args.seed, dev)
         print(f"packs written in {time.time() - t0:.1f} s", flush=True)
         n_keys = n_layers * n_experts
-        hot = simulate.hottest(steps[:warmup], n_keys)  # the warm start, from the past only
+        # the warm start: "trace", the whole trace's hottest (the hot set a long run would have
+        # persisted; a steady state, so the all-resident run never misses); "past", the warm-up
+        # quarter's (a cold server: experts first routed later miss at every pool)
+        hot = simulate.hottest(steps if args.warm_start == "trace" else steps[:warmup], n_keys)
         reference = None
         resident_step = None
         # all-resident once more at the end: the run-to-run noise of the baseline
