@@ -1,12 +1,15 @@
 """Decode speed on vLLM CPU with tiered residency: a pool at 100% / 50% / 25% of the experts
-against every expert resident, in the same run.
+against every expert resident, in the same run, on the trained fixture model (real routing).
 
-Run through nox: `nox -s "bench(residency_serving)"`. One generated Qwen3-MoE (bf16, seeded, cached
-under $XDG_CACHE_HOME/moet/bench; 4 MoE layers x 32 experts, top-4) is converted by `moet convert`
-and served by vLLM (CPU, float32) once per pool size, one sequence at a time (max_num_seqs 1, so
-the boot floor is 1.15 x 4 x 4 = 19 slots, below every pool here: 25% is 32). Each boot decodes the same
-prompts; reported: decode tokens/s (vLLM's generate wall time), its ratio to the resident run, the
-share of steps that replayed (from the KPI lines), and whether the greedy tokens equal the resident run's (they must: replays are bit-identical).
+Run through nox: `nox -s "bench(residency_serving)"`. The fixture (bench/fixture/glm-moe-fixture:
+3 MoE layers x 64 experts, top-4) is converted by `moet convert` (once, cached under
+$XDG_CACHE_HOME/moet/bench) and served by vLLM (CPU, float32) one sequence at a time
+(max_num_seqs 1: the boot floor is 1.15 x 3 x 4 = 14 slots, below every pool here: 25% is 48),
+decoding prompts of the text it was trained on. Each tiered pool boots twice on one pack cache:
+the first boot warms the pool and saves its hot set, the second preloads it (a warm start, as a
+restarted server has) and is the one measured. Reported: decode tokens/s (vLLM's generate wall
+time), its ratio to the resident run, the share of steps that replayed (from the KPI lines), and
+whether the greedy tokens equal the resident run's (they must: replays are bit-identical).
 Results: bench/results/residency_serving/cpu-<date>.json.
 """
 
@@ -25,45 +28,27 @@ from pathlib import Path
 from results_io import write_result  # noqa: E402  (bench/ is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "packages" / "moet-vllm" / "tests"
+sys.path.insert(0, str(TESTS))
+from serving import FIXTURE, FIXTURE_TEXTS, fixture_prompts  # noqa: E402  (the tests' prompts)
+
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "bench"
-MODEL = CACHE / "qwen3-moe-residency"
-DRIVER = ROOT / "packages" / "moet-vllm" / "tests" / "vllm_driver.py"
-GEOMETRY = {  # small: the CPU path dequantizes every routed expert at every step (exact mode)
-    "hidden_size": 256,
-    "moe_intermediate_size": 128,
-    "num_experts": 32,
-    "num_experts_per_tok": 4,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "intermediate_size": 512,
-    "vocab_size": 2048,
-    "max_position_embeddings": 512,
-}
-PROMPTS, MAX_TOKENS = 2, 24
+MODEL = CACHE / "glm-moe-fixture-moet"
+DRIVER = TESTS / "vllm_driver.py"
+MAX_TOKENS = 48
 POOLS = ("all", "100%", "50%", "25%")
 
 
 def build_model() -> Path:
-    moet = MODEL.with_name(MODEL.name + "-moet")
-    if (moet / "config.json").exists():
-        return moet
-    import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
+    if (MODEL / "config.json").exists():
+        return MODEL
     from moet_quant import convert
 
-    print(f"building {MODEL} and its moet conversion (once)...", flush=True)
-    torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**GEOMETRY, tie_word_embeddings=False))
-    model.save_pretrained(MODEL)
-    convert.convert(MODEL, moet, progress=False)
-    return moet
+    print(f"converting {FIXTURE.name} to {MODEL} (once)...", flush=True)
+    return convert.convert(FIXTURE, MODEL, progress=False).out
 
 
-def serve(model: Path, pool: str, cache_dir: Path, out_dir: Path) -> dict:
+def serve(model: Path, pool: str, cache_dir: Path, out_dir: Path, prompts: Path) -> dict:
     out = out_dir / f"{pool.replace('%', 'pct')}.json"
     env = {
         **os.environ,
@@ -74,7 +59,7 @@ def serve(model: Path, pool: str, cache_dir: Path, out_dir: Path) -> dict:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
     cmd = [sys.executable, str(DRIVER), str(model), str(out), "--max-num-seqs", "1"]
-    cmd += ["--prompts", str(PROMPTS), "--max-tokens", str(MAX_TOKENS)]
+    cmd += ["--prompts-file", str(prompts), "--max-tokens", str(MAX_TOKENS)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         sys.exit(f"pool {pool}: vLLM failed:\n{r.stderr[-3000:]}")
@@ -101,9 +86,13 @@ def main() -> int:
     runs = []
     with tempfile.TemporaryDirectory(prefix="moet-residency-bench-") as tmp:
         tmp = Path(tmp)
+        prompts = tmp / "prompts.json"
+        prompts.write_text(json.dumps(fixture_prompts(len(FIXTURE_TEXTS))))
         for pool in POOLS:  # one pack cache: the first tiered boot writes the packs
             t0 = time.perf_counter()
-            run = serve(model, pool, tmp / "packs", tmp)
+            if pool != "all":  # warm-up boot: fills the pool and saves its hot set
+                serve(model, pool, tmp / "packs", tmp, prompts)
+            run = serve(model, pool, tmp / "packs", tmp, prompts)
             print(
                 f"pool {pool:>5}: {run['decode_tokens_per_s']:.2f} tok/s "
                 f"({time.perf_counter() - t0:.0f} s boot + run)",
@@ -124,8 +113,10 @@ def main() -> int:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
         "command": 'nox -s "bench(residency_serving)"',
-        "model": {"path": str(MODEL.name), **GEOMETRY},
-        "prompts": PROMPTS,
+        "model": f"bench/fixture/{FIXTURE.name} (moet convert)",
+        "prompts": len(FIXTURE_TEXTS),
+        "protocol": "max_num_seqs 1; each tiered pool boots twice on one pack cache, the second "
+        "boot (warm start from the first's saved hot set) is measured",
         "max_tokens": MAX_TOKENS,
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
     }
