@@ -211,7 +211,8 @@ def bench(session: nox.Session, what: str) -> None:
     vllm_load: vLLM's weight-load phase re-quantizing a >= 2 GB checkpoint vs the pack cache;
     residency: the expert-pool policy vs Belady on synthetic and the fixture's routing traces
     (docs/residency.md);
-    residency_serving: vLLM CPU decode tokens/s with a 100/50/25% expert pool vs all resident;
+    residency_serving: vLLM CPU decode tokens/s of the fixture with a 100/50/25% expert pool vs
+    all resident;
     residency_gpu: the serving manager, a moet-store host tier and moet-kernels in a captured CUDA
     graph (bench/h200/residency.sh on the H200; on a CPU pass a toy stack, e.g. `-- --hidden 256
     --inter 128 --experts 16 --layers 2`): bit-identity, replay % and step time vs pool coverage,
