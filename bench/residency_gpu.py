@@ -11,10 +11,11 @@ its weights fixed random. One forward pass is one CUDA graph (on the CPU: eager,
 
 - all-resident: every expert in the pool; each step's output is the reference;
 - per coverage c: a pool of c of the experts, the serving policy, the batched fetch from a
-  moet-store host tier (`ram` by default; `tiered`: a pinned arena over the pack files), replays. Every step's output must be bit-identical to the
-  all-resident run's; reported: replay % of steps, missing pairs per step, step time vs
-  all-resident, fetch bandwidth vs a plain pinned H2D copy of the same rows measured in the same
-  run, and the simulator's replay % for the same trace and pool (same warm start).
+  moet-store host tier (`ram` by default; `tiered`: a pinned arena over the pack files), replays.
+  Every step's output must be bit-identical to the all-resident run's; reported: replay % of
+  steps, missing pairs per step, step time vs all-resident, fetch bandwidth vs a plain pinned H2D
+  copy of the same rows measured in the same run, and the simulator's replay % for the same trace
+  and pool (same warm start); once, the fetch's cost by batch size (`fetch_costs`).
 
 The first quarter of the steps warms the policy and is not counted (as in bench(residency)).
 Writes <machine>-<date>.json to --out (default bench/results/residency_gpu/), with the run's
