@@ -13,7 +13,7 @@ GIB = 1 << 30
 
 
 class MoetSizingError(MoetVllmError):
-    """A pool that cannot be sized to serve (below the boot floor without consent)."""
+    """A pool that cannot serve: below the boot floor without consent, or larger than memory."""
 
 
 def boot_floor(moe_layers: int, top_k: int, tokens_per_step: int, max_num_seqs: int) -> int:
@@ -59,7 +59,7 @@ def auto_slots(
     return max(n, 1)
 
 
-def arena_bytes(host_arena: str, pack_bytes: int) -> int | None:
+def arena_bytes(host_arena: str, pack_bytes: int) -> int:
     """The pinned arena of the `tiered` host tier: `host_arena` GiB, or for "auto" the whole
     pack, at most half of the host's available memory (the page cache serves the rest)."""
     if host_arena != "auto":
