@@ -119,3 +119,23 @@ def test_corrupt_pack_is_never_served(cfg):
     pack.write_bytes(bytes(data))
     again = ExpertPackCache(cfg, "ckpt-a", lay, 1, 4)
     assert again.read_layer(0) is None  # checksum mismatch: re-quantize instead
+
+
+def test_the_tiered_host_tiers_arena_follows_host_arena(cfg, monkeypatch):
+    """host_arena GiB sizes the pinned arena of the `tiered` host tier; `auto` takes the whole
+    pack, at most half of the host's available memory."""
+    from moet_vllm.residency import sizing
+
+    lay = RowLayout(64, 32)
+    c = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=3, n_experts=4)
+    for layer in range(3):
+        c.write_layer(layer, sections(lay, 4, layer))
+    stride = c.spec.stride
+    with c.open_store("tiered") as store:  # auto, with room for the whole pack
+        assert store.arena_bytes == 12 * stride
+    with c.open_store("tiered", str(5 * stride / sizing.GIB)) as store:
+        assert store.arena_bytes == 5 * stride
+    monkeypatch.setattr(sizing, "free_bytes", lambda device: 6 * stride + 100)  # little memory
+    with c.open_store("tiered") as store:  # auto: half of what is available
+        assert store.arena_bytes == 3 * stride
+    c.close()
