@@ -189,13 +189,19 @@ def _own_parts(tier: Tier, parts: tuple) -> tuple:
     return tuple(parts)
 
 
+def _tier_with_parts(tier: str | Tier, parts: tuple) -> Tier:
+    """The tier, with one tensor per part of a projection (`Tier.weight_parts`)."""
+    tier = tier_of(tier)
+    if len(parts) != len(tier.weight_parts):
+        raise ValueError(f"{tier.name} takes {tier.weight_parts}, got {len(parts)} tensors")
+    return tier
+
+
 def tier_dequant(tier: str | Tier, *parts: torch.Tensor) -> torch.Tensor:
     """Exact float64 weights [..., N, K] of one projection of any tier, from its parts in
     `Tier.weight_parts` order (w2: codes, scales; fp4r, fp4x-mxfp4: codes, scales; fp4x-nvfp4:
     codes, scales, scale_2; fp4r-refine: W2 codes, W2 scales, refine)."""
-    tier = tier_of(tier)
-    if len(parts) != len(tier.weight_parts):
-        raise ValueError(f"{tier.name} takes {tier.weight_parts}, got {len(parts)} tensors")
+    tier = _tier_with_parts(tier, parts)
     if tier is W2:
         return w2_dequant(*parts).to(torch.float64)
     own = _own_parts(tier, parts)
@@ -220,9 +226,7 @@ def kernel_operands(tier: str | Tier, *parts: torch.Tensor):
     A UE8M0 byte of 0 (2**-127) is read as 0, as the W2 kernels do (the byte shifted into a float32
     exponent field); 255 stays NaN. Where neither applies, level * scale is exactly
     `tier_dequant`'s weight."""
-    tier = tier_of(tier)
-    if len(parts) != len(tier.weight_parts):
-        raise ValueError(f"{tier.name} takes {tier.weight_parts}, got {len(parts)} tensors")
+    tier = _tier_with_parts(tier, parts)
     if tier is W2:
         codes, scales = parts
         w2_dequant(codes, scales)  # validates

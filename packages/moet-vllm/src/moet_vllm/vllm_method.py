@@ -434,9 +434,9 @@ class MoetQuantConfig(QuantizationConfig):
         """After the last MoE layer reached the packs: the pool, its host tier, the manager."""
         cfg, src = self._cfg, session.source
         mtp = src.mtp_layers
-        n_tiered_keys = (len(src.moe_layers) - len(mtp)) * src.n_experts
+        n_moe = len(src.moe_layers) - len(mtp)  # the tiered MoE layers (MTP's are pinned)
+        n_tiered_keys = n_moe * src.n_experts
         max_num_seqs, num_spec = self._serving
-        n_moe = len(src.moe_layers) - len(mtp)
         floor = boot_floor(n_moe, layer.top_k, 1 + num_spec, max_num_seqs)
         if cfg.gpu_pool == "auto":  # sized once the KV cache is allocated; until then one
             n_slots = 1  # slot and the staging area serve vLLM's profiling passes (streamed)
