@@ -2,13 +2,20 @@
 //
 // The portable int8 mma.sync path (design.md, Kernels): weights are 2-bit codes {-4,-1,+1,+4} with
 // a UE8M0 scale per 32 along K, decoded to int8 by one PRMT per 4 weights; activations are int8
-// with a float32 scale per 32 along K (per token), so each m16n8k32 tile's int32 sum is promoted
-// to float32 once: acc += float(sum) * (weight scale * activation scale).
+// with a float32 scale per token and chunk of 128 along K.
 //
-// Weights are read in the kernel-native layout of moet_kernels.layout (NativeRowLayout): for each
-// group of 64 rows and each chunk of 128 along K, 4 row tiles x 32 lanes x 16 bytes, so a warp's
-// 16-byte loads stream one contiguous 2 KiB piece; lane L's 32-bit word for k-tile t holds the 16
-// codes of its mma A fragment. Activations use the matching permuted int8 layout.
+// Promotion once per 128 ("fold"): lane group t of the mma owns the 32-block t of each chunk, and
+// where a row's four block exponents b_j lie within 4 of their minimum b_min, its level table is
+// (-4v, -v, v, 4v) with v = 2^(b_t - b_min) <= 16: exact int8 levels, so the chunk's four k-tiles
+// accumulate in the mma's int32 C operand and one FADD + FFMA per accumulator promotes the chunk
+// with 2^(b_min - 127) * activation scale. Row tiles where some row spreads wider (or holds a zero
+// scale) are flagged by the packer and take the exact slow path: one promotion per 32-block.
+//
+// Weights are read in the kernel-native layout of moet_kernels.layout (NativeRowLayout, v2): for
+// each group of 64 rows and each chunk of 128 along K, 4 row tiles x 32 lanes x 16 bytes, so a
+// warp's 16-byte loads stream one contiguous 2 KiB piece; lane L's 32-bit word for k-tile tt holds
+// the 16 codes of its mma A fragment. Activations are int8 rows in natural order: lane t's 32
+// bytes of a chunk are exactly its 32-block's B fragments.
 //
 // Everything is graph-capturable: fixed buffers sized for the worst case, the job count read on
 // the device, persistent grids that stride over (job, row group) work items. Results do not
@@ -26,15 +33,14 @@ constexpr int KCHUNK = 128;  // K per chunk: 4 k-tiles of 32, one 16-byte load p
 constexpr int WARPS = 4;     // split-K warps per CTA
 constexpr int THREADS = WARPS * 32;
 constexpr int CODE_CHUNK = 2048;          // code bytes per (64-row group, K chunk)
-constexpr int SCALE_CHUNK = 256;          // scale bytes per (64-row group, K chunk)
+constexpr int SCALE_CHUNK = 264;  // scale bytes per (64-row group, K chunk): words, then flags
+constexpr int SLOW_FLAGS = 256;   // byte rt of the 4 after the words: row tile rt is slow
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
 // CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
 // sm_90a; the other targets, and w2 everywhere, need more registers (no spills at 3). Measured on
 // the H200: single-buffered chunks at 4 or 5 CTAs per SM were no faster (bench/results/kernels).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900
-#define W13_BLOCKS 4
-#else
+#ifndef W13_BLOCKS
 #define W13_BLOCKS 3
 #endif
 #define W2_BLOCKS 3
@@ -45,6 +51,12 @@ __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t ld_stream4(const uint8_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
 }
 
@@ -65,46 +77,35 @@ __device__ __forceinline__ float ue8m0(uint32_t w, int i) {
   return __uint_as_float(((w >> (8 * i)) & 0xFFu) << 23);
 }
 
-// The int32 sums start from the bits of 1.5 * 2^23 (MAGIC): |sum| <= 32 * 4 * 127 < 2^22, so the
-// result's bits read as a float are exactly 1.5 * 2^23 + sum, and one FADD recovers the sum.
-// That keeps the int -> float conversion off the slow conversion pipe (I2F).
+// The int32 sums start from the bits of 1.5 * 2^23 (MAGIC): a chunk's |sum| <= 128 * 64 * 127
+// < 2^22, so the result's bits read as a float are exactly 1.5 * 2^23 + sum, and one FADD
+// recovers the sum. That keeps the int -> float conversion off the slow conversion pipe (I2F).
 constexpr uint32_t MAGIC_BITS = 0x4B400000u;
 constexpr float MAGIC = 12582912.f;
 
-__device__ __forceinline__ void mma_s8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+// c += A (16 x 32 int8) * B (32 x 8 int8), int32.
+__device__ __forceinline__ void mma_s8(uint32_t (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  uint32_t r[4];
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%10,%10};"
-      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(MAGIC_BITS));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(r[i]) - MAGIC;
+      "{%0,%1,%2,%3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-__device__ __forceinline__ float f4_of(const float4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-// Byte offset of k inside a permuted int8 activation row: per chunk of 128, lane group tig's 32
-// bytes hold its B fragments for the 4 k-tiles (b0 then b1 of each).
-__device__ __forceinline__ int act_pos(int k) {
-  int c = k >> 7, tt = (k >> 5) & 3, kk = k & 31;
-  return c * KCHUNK + ((kk & 15) >> 2) * 32 + tt * 8 + (kk >> 4) * 4 + (kk & 3);
-}
-
-// One K chunk's operands for one warp: codes and scales of the 4 row tiles, the activation
-// fragments of column g and the activation scales of columns 2*tig and 2*tig+1.
+// One K chunk's operands for one warp: codes and scale words of the 4 row tiles (rows g, g+8),
+// the slow-tile flags, the activation fragments of column g (its 32-block tig) and the chunk's
+// activation scales of columns 2*tig and 2*tig+1.
 struct Chunk {
   uint4 cw[4];
   uint2 sw[4];
+  uint32_t slow;
   uint4 b_lo, b_hi;
-  float4 x0, x1;
+  float x0, x1;
 };
 
 __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const uint8_t* scales,
@@ -116,40 +117,65 @@ __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const
     k.cw[rt] = ld_stream16(codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
     k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
   }
+  k.slow = ld_stream4(scales + (size_t)c * SCALE_CHUNK + SLOW_FLAGS);
   k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
   if (act_g) {
     const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
     k.b_lo = p[0];
     k.b_hi = p[1];
   }
-  k.x0 = k.x1 = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (as0) k.x0 = reinterpret_cast<const float4*>(as0)[c];
-  if (as1) k.x1 = reinterpret_cast<const float4*>(as1)[c];
+  k.x0 = as0 ? as0[c] : 0.f;
+  k.x1 = as1 ? as1[c] : 0.f;
 }
 
-__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k) {
+// The 4 k-tiles of row tile rt with the level tables tab (row g) and tab8 (row g+8): a PRMT
+// selector nibble's bit 2 picks the second source (the same table: don't care), bit 3 must be
+// clear, so 5 integer ops prepare the 4 selectors of 16 codes. Returns the int32 sums' floats.
+__device__ __forceinline__ void tile_sums(float (&d)[4], const Chunk& k, int rt, uint32_t tab,
+                                          uint32_t tab8) {
+  uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
 #pragma unroll
   for (int tt = 0; tt < 4; ++tt) {
     const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
     const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
-    const float s0 = f4_of(k.x0, tt), s1 = f4_of(k.x1, tt);
+    const uint32_t w = word_of(k.cw[rt], tt);
+    const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
+    mma_s8(acc, __byte_perm(tab, tab, lo), __byte_perm(tab8, tab8, hi),
+           __byte_perm(tab, tab, lo >> 16), __byte_perm(tab8, tab8, hi >> 16), b0, b1);
+  }
 #pragma unroll
-    for (int rt = 0; rt < 4; ++rt) {
-      // A PRMT selector nibble's bit 2 picks the second source (LEVELS again: don't care), bit 3
-      // must be clear: 5 integer ops prepare the 4 selectors of 16 codes.
-      const uint32_t w = word_of(k.cw[rt], tt);
-      const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
-      const uint32_t a0 = __byte_perm(LEVELS, LEVELS, lo);
-      const uint32_t a1 = __byte_perm(LEVELS, LEVELS, hi);
-      const uint32_t a2 = __byte_perm(LEVELS, LEVELS, lo >> 16);
-      const uint32_t a3 = __byte_perm(LEVELS, LEVELS, hi >> 16);
-      float d[4];
-      mma_s8(d, a0, a1, a2, a3, b0, b1);
-      const float wg = ue8m0(k.sw[rt].x, tt), wg8 = ue8m0(k.sw[rt].y, tt);
-      f[rt][0] = fmaf(d[0], wg * s0, f[rt][0]);
-      f[rt][1] = fmaf(d[1], wg * s1, f[rt][1]);
-      f[rt][2] = fmaf(d[2], wg8 * s0, f[rt][2]);
-      f[rt][3] = fmaf(d[3], wg8 * s1, f[rt][3]);
+  for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(acc[i]) - MAGIC;
+}
+
+// f[rt][0..3] += row g / g+8 x columns 2tig / 2tig+1 of one chunk. A fast row tile's word holds
+// b_min in bits 23..30 (so masking it gives the float 2^(b_min - 127)) and v_j = 2^(b_j - b_min)
+// in bits 5j..5j+4; v * 0x0400FEFC + 0x10100 is the table (-4v, -v, v, 4v) for 1 <= v <= 16.
+// A slow tile's words are the 4 raw scale bytes: one pass per 32-block j, where only lane group
+// j's table is non-zero, promoted with that block's scales (a scale byte of 0 reads as 0).
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int tig) {
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt) {
+    const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
+    float d[4];
+    if (!((k.slow >> (8 * rt)) & 1u)) {
+      tile_sums(d, k, rt, ((wg >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u,
+                ((wg8 >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u);
+      const float s = __uint_as_float(wg & 0x7F800000u), s8 = __uint_as_float(wg8 & 0x7F800000u);
+      f[rt][0] = fmaf(d[0], s * k.x0, f[rt][0]);
+      f[rt][1] = fmaf(d[1], s * k.x1, f[rt][1]);
+      f[rt][2] = fmaf(d[2], s8 * k.x0, f[rt][2]);
+      f[rt][3] = fmaf(d[3], s8 * k.x1, f[rt][3]);
+      continue;
+    }
+#pragma unroll 1
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t tab = tig == j ? LEVELS : 0u;
+      tile_sums(d, k, rt, tab, tab);
+      const float s = ue8m0(wg, j), s8 = ue8m0(wg8, j);
+      f[rt][0] = fmaf(d[0], s * k.x0, f[rt][0]);
+      f[rt][1] = fmaf(d[1], s * k.x1, f[rt][1]);
+      f[rt][2] = fmaf(d[2], s8 * k.x0, f[rt][2]);
+      f[rt][3] = fmaf(d[3], s8 * k.x1, f[rt][3]);
     }
   }
 }
@@ -170,10 +196,10 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
 #pragma unroll 1
   for (int c = warp; c < nchunks; c += 2 * WARPS) {
     if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
-    mma_chunk(f, a);
+    mma_chunk(f, a, lane & 3);
     if (c + WARPS >= nchunks) break;
     if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
-    mma_chunk(f, b);
+    mma_chunk(f, b, lane & 3);
   }
 }
 
@@ -198,6 +224,30 @@ __device__ __forceinline__ void reduce_warps(float (&f)[4][4], float (*red)[16][
 // s = amax / 127, q = round-half-even(v / s), q = 0 when s = 0.
 __device__ __forceinline__ int quant_one(float v, float s) {
   return s > 0.f ? __float2int_rn(__fdiv_rn(v, s)) : 0;
+}
+
+// One warp quantizes one chunk of 128 (lane: k = 4 lane .. 4 lane + 3) with one float32 scale, as
+// reference.quantize_activations does; a chunk holding NaN gets s = NaN (fmaxf would drop it).
+__device__ __forceinline__ void quantize_chunk(const float (&v)[4], int lane, int8_t* q_chunk,
+                                               float* s_out) {
+  float amax = 0.f;
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    amax = fmaxf(amax, fabsf(v[i]));
+    nan |= v[i] != v[i];
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    nan |= __shfl_xor_sync(0xffffffffu, (int)nan, o);
+  }
+  const float s = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
+  uint32_t word = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) word |= (uint32_t)(uint8_t)(int8_t)quant_one(v[i], s) << (8 * i);
+  reinterpret_cast<uint32_t*>(q_chunk)[lane] = word;
+  if (lane == 0) *s_out = s;
 }
 
 // bf16/fp16/fp32 <-> float32; the narrowing conversions round to nearest even.
@@ -325,40 +375,19 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     if (tid == 0 && s_total > 0) atomicAdd(miss_count, s_total);
     return;
   }
-  // Activation quantization: one thread per (token, block of 32); padded blocks are zero.
-  const int nblk = hidden_p / 32;
-  const int stride = (gridDim.x - 1) * blockDim.x;
-  for (int item = (blockIdx.x - 1) * blockDim.x + tid; item < n_tok * nblk; item += stride) {
-    const int t = item / nblk, b = item % nblk;
-    float v[32];
-    float amax = 0.f;
-    if (b * 32 < hidden) {
+  // Activation quantization: one warp per (token, chunk of 128); padding (k >= hidden) is zero.
+  const int nchunk = hidden_p / KCHUNK;
+  const int warps = (gridDim.x - 1) * (blockDim.x / 32);
+  for (int item = (blockIdx.x - 1) * (blockDim.x / 32) + warp; item < n_tok * nchunk;
+       item += warps) {
+    const int t = item / nchunk, c = item % nchunk;
+    float v[4];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        v[i] = to_f32<T>(x[(size_t)t * hidden + b * 32 + i]);
-        amax = fmaxf(amax, fabsf(v[i]));
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) v[i] = 0.f;
+    for (int i = 0; i < 4; ++i) {
+      const int k = c * KCHUNK + 4 * lane + i;
+      v[i] = k < hidden ? to_f32<T>(x[(size_t)t * hidden + k]) : 0.f;
     }
-    bool has_nan = false;  // fmaxf drops NaN: a NaN input makes the block's scale NaN
-#pragma unroll
-    for (int i = 0; i < 32; ++i) has_nan |= v[i] != v[i];
-    const float s = has_nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
-    xs[(size_t)t * nblk + b] = s;
-    uint32_t* row = reinterpret_cast<uint32_t*>(xq + (size_t)t * hidden_p);
-    const int c = b >> 2, tt = b & 3;
-#pragma unroll
-    for (int hi = 0; hi < 2; ++hi)
-#pragma unroll
-      for (int tg = 0; tg < 4; ++tg) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          word |= (uint32_t)(uint8_t)(int8_t)quant_one(v[hi * 16 + tg * 4 + i], s) << (8 * i);
-        row[(c * KCHUNK + tg * 32 + tt * 8 + hi * 4) / 4] = word;
-      }
+    quantize_chunk(v, lane, xq + (size_t)t * hidden_p + c * KCHUNK, xs + (size_t)t * nchunk + c);
   }
 }
 
@@ -379,12 +408,11 @@ MOET_ROUTE(moet_route_f16, __half)
 MOET_ROUTE(moet_route_f32, float)
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
-// SiLU(gate) * up, re-quantized per 32 to the permuted int8 layout of the down projection's input.
+// SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
 extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     moet_w13(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
              int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,
-             const int* n_jobs, const int* job_slot, const int* job_pairs, int8_t* aq, float* as,
-             int inter_p) {
+             const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
@@ -394,51 +422,49 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     const int* pairs = job_pairs + job * TOK;
     const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
     const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
-    const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / 32) : nullptr;
-    const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / 32) : nullptr;
+    const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
+    const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
     float f[4][4];
     gemm64(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
            row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
-      // act[q][col]: q -> intermediate row g, g+8, 16+g, 24+g of this unit; col 2tig, 2tig+1
-      float act[4][2];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int col = 0; col < 2; ++col) {
-          const int rt = q >> 1, j = (q & 1) * 2 + col;
-          act[q][col] = __fmul_rn(silu(f[rt][j]), f[rt + 2][j]);
-        }
+      // f[rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8, 16+g,
+      // 24+g of this unit; columns 2tig (j even) and 2tig+1
 #pragma unroll
       for (int col = 0; col < 2; ++col) {
-        float amax = 0.f;
-        bool nan = false;
+        const int pair = col ? p1 : p0;
+        if (pair < 0) continue;
+        float* dst = h + (size_t)pair * inter_p + u * 32;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          amax = fmaxf(amax, fabsf(act[q][col]));
-          nan |= act[q][col] != act[q][col];
-        }
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          nan |= __shfl_xor_sync(0xffffffffu, (int)nan, o);
-        }
-        const float s = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.f);
-        const int pair = col ? p1 : p0;
-        if (pair >= 0) {
-          int8_t* dst = aq + (size_t)pair * inter_p;
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int i = (q & 1) * 8 + (q >> 1) * 16 + g;
-            dst[act_pos(u * 32 + i)] = (int8_t)quant_one(act[q][col], s);
-          }
-          if (g == 0) as[(size_t)pair * (inter_p / 32) + u] = s;
+          const int rt = q >> 1, j = (q & 1) * 2 + col;
+          dst[(q & 1) * 8 + (q >> 1) * 16 + g] = __fmul_rn(silu(f[rt][j]), f[rt + 2][j]);
         }
       }
     }
     __syncthreads();  // red is reused by the next item
+  }
+}
+
+// The down projection's input: h quantized per pair and chunk of 128 (one warp each) to int8 aq
+// and float32 as; columns past inter are zero. Pairs whose expert is not resident are skipped.
+extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, int n_pairs,
+                                        int inter, int inter_p, int8_t* aq, float* as) {
+  const int lane = threadIdx.x & 31, nchunk = inter_p / KCHUNK;
+  const int warps = gridDim.x * (blockDim.x / 32);
+  for (int item = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); item < n_pairs * nchunk;
+       item += warps) {
+    const int p = item / nchunk, c = item % nchunk;
+    if (!pair_ok[p]) continue;
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = c * KCHUNK + 4 * lane + i;
+      v[i] = k < inter ? h[(size_t)p * inter_p + k] : 0.f;
+    }
+    quantize_chunk(v, lane, aq + (size_t)p * inter_p + c * KCHUNK, as + (size_t)p * nchunk + c);
   }
 }
 
@@ -456,8 +482,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     const int* pairs = job_pairs + job * TOK;
     const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
     const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
-    const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / 32) : nullptr;
-    const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / 32) : nullptr;
+    const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
+    const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
     float f[4][4];
     gemm64(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
            row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,

@@ -441,7 +441,7 @@ def test_kernel_operands_read_a_zero_ue8m0_byte_as_zero_and_keep_nan():
 
 def spec_moe(tier, x, ids, weights, w13, w2, quantize=False) -> np.ndarray:
     """float64 loop over tokens and slots; `quantize`: the kernels' int8 activations (per token
-    and 32-block, before w13 and before w2) and a UE8M0 byte of 0 read as 0."""
+    and 128-block, before w13 and before w2) and a UE8M0 byte of 0 read as 0."""
 
     def weights_of(parts, e):
         p = [a[e].numpy() for a in parts]
@@ -455,7 +455,8 @@ def spec_moe(tier, x, ids, weights, w13, w2, quantize=False) -> np.ndarray:
         if not quantize:
             return v
         qq, s = quantize_activations(torch.from_numpy(v[None].astype(np.float32)))
-        return (qq[0].double().view(-1, 32) * s[0].double()[:, None]).flatten().numpy()
+        assert s.shape == (1, -(-v.size // 128))  # one scale per 128 along K (zero-padded)
+        return qq[0].double().numpy() * np.repeat(s[0].double().numpy(), 128)[: v.size]
 
     out = np.zeros(x.shape)
     for t in range(x.shape[0]):
@@ -520,9 +521,14 @@ def test_kernel_mode_matches_a_float64_loop_over_quantized_activations(tier):
     # int8 step of the second quantization where float32 vs float64 rows straddle a boundary)
     assert rel(got, want) < 1e-5
     # against exact mode: each activation quantization moves an element by at most s/2 =
-    # amax/254 of its 32-block, i.e. relative RMS ~ amax/(254 sqrt(3) rms) ~ 0.5% for Gaussian
-    # blocks (amax ~ 2.1 rms); two quantizations through SiLU*up keep the output's relative
-    # error near 1%; 3% fails only on a real arithmetic difference. It is not zero either.
+    # amax/254 of its 128-block (about uniformly, RMS s/sqrt(12)), i.e. relative RMS ~
+    # amax/(254 sqrt(3) rms). Here H = 64 and I = 32, so each vector is one (zero-padded) block:
+    # for the Gaussian x, amax of 64 values ~ 2.6 rms (a full 128-block: 2.8; the old 32-blocks:
+    # 2.4), ~ 0.6%; the SiLU*up vector is heavier-tailed (amax ~ 3.6-4.5 rms over its 32
+    # values), ~ 0.8-1.0% (measured: 0.6% and 0.7-0.9%). The two errors are independent and add
+    # in quadrature through the down projection, ~ 1.1% (measured 1.0-1.7% over seeds and tiers,
+    # 1.0-1.6% with the old 32-blocks), so the 3% bound stands: it fails only on a real
+    # arithmetic difference. It is not zero either.
     exact = w2_moe_reference(*args, tier=tier).numpy()
     r = rel(got, exact)
     assert 1e-4 < r < 0.03, r

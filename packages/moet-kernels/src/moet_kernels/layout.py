@@ -5,14 +5,34 @@ Two layouts of a W2 expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
 - `RowLayout` (`LAYOUT_ID`, the CPU serving path today): the *logical* layout of moet checkpoints
   as is: codes uint8 [N, K/4], 4 two-bit codes per byte, little-endian 2-bit fields along K;
   scales uint8 [N, K/32], one UE8M0 byte per block of 32 along K.
-- `NativeRowLayout` (`NATIVE_LAYOUT_ID`): what the GPU kernels (csrc/w2_moe.cu) stream. Rows come
-  in groups of 64 (w13: 32 gate rows then the same 32 up rows, so one work item sees both halves
-  of SiLU(gate) * up), K in chunks of 128 (padded with zero activations). Per (group, chunk):
-  codes are 4 row tiles x 32 lanes x 16 bytes, lane L = 4g + t holding, for each of the chunk's 4
-  k-tiles, one 32-bit word with the 16 codes of its int8 mma.sync m16n8k32 A fragment (code of
-  register j, byte i at bit 16*(j//2) + 4i + 2*(j%2): rows g, g+8 and k = 4t + i, + 16); scales are
-  4 row tiles x 8 lane groups x [row g: 4 k-tiles, row g+8: 4 k-tiles]. Padding codes are 0 and
-  padding scales 127 (1.0), so padded weights are finite and meet zero activations.
+- `NativeRowLayout` (`NATIVE_LAYOUT_ID`, v2): what the GPU kernels (csrc/w2_moe.cu) stream. Rows
+  come in groups of 64 (w13: 32 gate rows then the same 32 up rows, so one work item sees both
+  halves of SiLU(gate) * up), K in chunks of 128 (padded with zero activations). Per (group rg,
+  chunk cc):
+
+  - codes, 2048 bytes: 4 row tiles rt x 32 lanes x 16 bytes. Lane L = 4g + t (g = L >> 2, t =
+    L & 3) holds 4 little-endian 32-bit words tt = 0..3, each the 16 codes of an int8
+    mma.sync m16n8k32 A fragment: the code of register j (0..3), byte i (0..3) sits at bit
+    16*(j//2) + 4i + 2*(j%2) and stands for row 16rt + g + 8*(j%2) of the group and
+    k = 32t + 8tt + 4*(j//2) + i of the chunk. So lane group t covers exactly block t (k in
+    [32t, 32t + 32)) of the chunk, whose scale it applies once per 128 ("promotion once per
+    128").
+  - scales, 264 bytes (`SCALE_CHUNK_BYTES`): bytes [0, 256) are 4 row tiles rt x 8 lane groups g
+    x [word of row 16rt + g, word of row 16rt + g + 8] (little-endian 32-bit words, at byte
+    rt*64 + g*8); bytes 256 + rt (rt = 0..3) are 1 where row tile rt is *slow*, else 0; bytes
+    260..263 are 0. A row-chunk with block scale bytes b_0..b_3 is *fast-eligible* iff
+    min b_j >= 1 and max b_j - min b_j <= 4; a row tile (16 rows) of a (group, chunk) is slow iff
+    one of its rows is not fast-eligible. The words of a fast tile are
+    (b_min << 23) | sum_j 2**(b_j - b_min) << 5j (one-hot multipliers 1..16 in 5-bit fields at
+    bits 0..19, b_min at bits 23..30); those of a slow tile hold the raw bytes
+    b_0 | b_1 << 8 | b_2 << 16 | b_3 << 24 (a scale byte of 0 reads as weight 0; 255 is refused).
+
+  Padding: rows past N have code 0 and block scales 127 (1.0); blocks past K have code 0 and the
+  minimum of the row-chunk's real block scales (127 where it has none), so padded weights are
+  finite, meet zero activations and never make a tile slow by themselves. `logical_matrix`
+  inverts the packing exactly for every scale byte 0..254. A matrix of rows_p x k_p (padded)
+  takes rows_p/64 * k_p/128 * 2048 code bytes and rows_p/64 * k_p/128 * 264 scale bytes;
+  `slow_tile_fraction` counts the slow tiles of scale sections.
 
 `RowLayout(hidden, inter, tier)` also lays out the FP4 tiers' logical rows (`TIERS`: `fp4r`,
 `fp4r-refine`, `fp4x-nvfp4`, `fp4x-mxfp4`; docs/kernels.md, "FP4 tiers"), each with its own
@@ -31,7 +51,7 @@ import numpy as np
 import torch
 
 LAYOUT_ID = "logical-v0"
-NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v1"
+NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v2"
 
 __all__ = [
     "FP4R",
@@ -47,10 +67,12 @@ __all__ = [
     "NativeRowLayout",
     "RowLayout",
     "SECTIONS",
+    "SCALE_CHUNK_BYTES",
     "SECTION_ALIGN",
     "TIERS",
     "Tier",
     "W2",
+    "slow_tile_fraction",
     "tier_of",
 ]
 
@@ -284,8 +306,13 @@ def _ceil(n: int, m: int) -> int:
 # --- the kernel-native layout ---------------------------------------------------------------------
 
 GROUP_ROWS = 64  # rows per work item: 4 mma row tiles of 16
-CHUNK_K = 128  # K per 16-byte load of a lane: 4 k-tiles of 32
-PAD_SCALE = 127  # UE8M0 1.0: padded weights stay finite
+TILE_ROWS = 16  # rows per mma row tile: the unit of the fast/slow choice
+CHUNK_K = 128  # K per 16-byte load of a lane: 4 blocks of 32, one per lane group t
+PAD_SCALE = 127  # UE8M0 1.0: padded rows stay finite (and fast)
+SCALE_WORDS_BYTES = 256  # per (group, chunk): 4 row tiles x 8 lane groups x 2 rows x 4 bytes
+SCALE_CHUNK_BYTES = 264  # ... then 4 slow-flag bytes (one per row tile) and 4 zero bytes
+FAST_SPREAD = 4  # a fast row-chunk's block scales lie within b_min .. b_min + 4
+_LOG2_ONE_HOT = torch.tensor([max(f.bit_length() - 1, 0) for f in range(32)])  # 2**m -> m
 
 
 def _unpack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -300,31 +327,68 @@ def _repack_codes(fields: torch.Tensor) -> torch.Tensor:
     return f[..., 0] | f[..., 1] << 2 | f[..., 2] << 4 | f[..., 3] << 6
 
 
+def _padded_scales(scales: torch.Tensor, rows_p: int, k_p: int) -> torch.Tensor:
+    """Logical scales [E, N, K/32] -> [E, rows_p, k_p/32]: padded rows 127 throughout; a row's
+    padded blocks the minimum of its chunk's real blocks (127 in a chunk with none), so padding
+    never makes a row-chunk slow (the padded weights are 0 and meet zero activations)."""
+    e, n, kb = scales.shape
+    s = torch.full((e, rows_p, k_p // 32), PAD_SCALE, dtype=torch.uint8, device=scales.device)
+    s[:, :n, :kb] = scales
+    first = kb - kb % 4  # the first block of the last, partly real chunk
+    if kb % 4 and kb < k_p // 32:
+        s[:, :n, kb : first + 4] = scales[:, :, first:].amin(dim=-1, keepdim=True)
+    return s
+
+
+def native_scale_words(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block scales [E, rows, chunks, 4] (rows a multiple of 16) -> (words int64 [E, rows, chunks],
+    slow bool [E, rows / 16, chunks]): the v2 scale word of each row-chunk (module docstring)."""
+    b = scales.to(torch.int64)
+    b_min, b_max = b.amin(dim=-1), b.amax(dim=-1)
+    eligible = (b_min >= 1) & (b_max - b_min <= FAST_SPREAD)
+    e, rows, cc = eligible.shape
+    slow = ~eligible.view(e, rows // TILE_ROWS, TILE_ROWS, cc).all(dim=2)
+    fields = 5 * torch.arange(4, device=b.device)
+    shift = (b - b_min.unsqueeze(-1)).clamp(0, FAST_SPREAD)  # only read where eligible
+    fast = (b_min << 23) | (torch.ones_like(b) << (shift + fields)).sum(dim=-1)
+    raw = (b << (8 * torch.arange(4, device=b.device))).sum(dim=-1)
+    slow_rows = slow.repeat_interleave(TILE_ROWS, dim=1)
+    return torch.where(slow_rows, raw, fast), slow
+
+
 def native_matrix(codes: torch.Tensor, scales: torch.Tensor, rows_p: int, k_p: int):
     """Logical codes uint8 [E, N, K/4] and scales [E, N, K/32] (N <= rows_p, K <= k_p, rows_p a
-    multiple of 64 and k_p of 128) -> native (codes [E, rows_p*k_p/4], scales [E, rows_p*k_p/32])."""
+    multiple of 64 and k_p of 128) -> native (codes [E, rows_p*k_p/4],
+    scales [E, rows_p/64 * k_p/128 * 264])."""
     e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 4
     if bool((scales == 255).any()):
         raise ValueError("a UE8M0 scale of 255 (NaN) cannot be packed for the kernels")
     dev = codes.device
     c = torch.zeros(e, rows_p, k_p, dtype=torch.uint8, device=dev)
     c[:, :n, :k] = _unpack_codes(codes)
-    s = torch.full((e, rows_p, k_p // 32), PAD_SCALE, dtype=torch.uint8, device=dev)
-    s[:, :n, : k // 32] = scales
     rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
-    # rows: rg, rt, jl, g (row = 16 rt + 8 jl + g); k: cc, tt, jh, tig, ih, il (k = 32 tt + 16 jh
-    # + 4 tig + 2 ih + il); register j = 2 jh + jl, byte i = 2 ih + il sits at bit 16 jh + 4 i + 2 jl
-    c = c.view(e, rg, 4, 2, 8, cc, 4, 2, 4, 2, 2)
+    # rows: rg, rt, jl, g (row = 16 rt + 8 jl + g); k: cc, t, tt, jh, ih, il (k = 32 t + 8 tt
+    # + 4 jh + 2 ih + il); register j = 2 jh + jl, byte i = 2 ih + il sits at bit 16 jh + 4 i + 2 jl
+    c = c.view(e, rg, 4, 2, 8, cc, 4, 4, 2, 2, 2)
     byte = (
         c[:, :, :, 0, ..., 0]
         | c[:, :, :, 1, ..., 0] << 2
         | c[:, :, :, 0, ..., 1] << 4
         | c[:, :, :, 1, ..., 1] << 6
     )
-    # byte dims: e, rg, rt, g, cc, tt, jh, tig, ih -> e, rg, cc, rt, g, tig, tt, jh, ih
-    native_c = byte.permute(0, 1, 4, 2, 3, 7, 5, 6, 8).reshape(e, -1)
-    s = s.view(e, rg, 4, 2, 8, cc, 4)  # e, rg, rt, jl, g, cc, tt -> e, rg, cc, rt, g, jl, tt
-    native_s = s.permute(0, 1, 5, 2, 4, 3, 6).reshape(e, -1)
+    # byte dims: e, rg, rt, g, cc, t, tt, jh, ih -> e, rg, cc, rt, g, t, tt, jh, ih
+    native_c = byte.permute(0, 1, 4, 2, 3, 5, 6, 7, 8).reshape(e, -1)
+    s = _padded_scales(scales, rows_p, k_p).view(e, rows_p, cc, 4)
+    words, slow = native_scale_words(s)
+    # words: e, rg, rt, jl, g, cc -> e, rg, cc, rt, g, jl; 4 little-endian bytes each
+    words = words.view(e, rg, 4, 2, 8, cc).permute(0, 1, 5, 2, 4, 3)
+    shifts = 8 * torch.arange(4, device=dev)
+    word_bytes = ((words.unsqueeze(-1) >> shifts) & 255).to(torch.uint8).reshape(e, rg, cc, -1)
+    flags = torch.zeros(
+        e, rg, cc, SCALE_CHUNK_BYTES - SCALE_WORDS_BYTES, dtype=torch.uint8, device=dev
+    )
+    flags[..., :4] = slow.view(e, rg, 4, cc).permute(0, 1, 3, 2)
+    native_s = torch.cat([word_bytes, flags], dim=-1).reshape(e, -1)
     return native_c, native_s
 
 
@@ -334,24 +398,43 @@ def logical_matrix(
     """The inverse of `native_matrix`: -> logical (codes [E, n, k/4], scales [E, n, k/32])."""
     e = native_c.shape[0]
     rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
-    byte = native_c.reshape(e, rg, cc, 4, 8, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 6, 7, 5, 8)
+    # native dims e, rg, cc, rt, g, t, tt, jh, ih -> e, rg, rt, g, cc, t, tt, jh, ih
+    byte = native_c.reshape(e, rg, cc, 4, 8, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5, 6, 7, 8)
     fields = torch.stack(
         [
             torch.stack([(byte >> (4 * il + 2 * jl)) & 3 for il in range(2)], dim=-1)
             for jl in range(2)
         ],
         dim=3,
-    )  # e, rg, rt, jl, g, cc, tt, jh, tig, ih, il
+    )  # e, rg, rt, jl, g, cc, t, tt, jh, ih, il
     c = fields.reshape(e, rows_p, k_p)[:, :n, :k]
-    s = native_s.reshape(e, rg, cc, 4, 8, 2, 4).permute(0, 1, 3, 5, 4, 2, 6)
-    s = s.reshape(e, rows_p, k_p // 32)[:, :n, : k // 32]
-    return _repack_codes(c), s.contiguous()
+    chunk = native_s.reshape(e, rg, cc, SCALE_CHUNK_BYTES)
+    shifts = 8 * torch.arange(4, device=native_s.device)
+    words = chunk[..., :SCALE_WORDS_BYTES].reshape(e, rg, cc, 4, 8, 2, 4).to(torch.int64)
+    words = (words << shifts).sum(dim=-1)  # e, rg, cc, rt, g, jl
+    slow = chunk[..., SCALE_WORDS_BYTES : SCALE_WORDS_BYTES + 4].bool()  # e, rg, cc, rt
+    raw = (words.unsqueeze(-1) >> shifts) & 255
+    b_min = ((words >> 23) & 255).unsqueeze(-1)
+    one_hot = (words.unsqueeze(-1) >> (5 * torch.arange(4, device=words.device))) & 31
+    fast = b_min + _LOG2_ONE_HOT.to(words.device)[one_hot]
+    s = torch.where(slow[..., None, None, None], raw, fast)  # e, rg, cc, rt, g, jl, j
+    s = s.permute(0, 1, 3, 5, 4, 2, 6).reshape(e, rows_p, k_p // 32)[:, :n, : k // 32]
+    return _repack_codes(c), s.to(torch.uint8).contiguous()
+
+
+def slow_tile_fraction(native_scales) -> float:
+    """The fraction of slow (row tile, chunk) pairs in native scale sections (numpy or torch,
+    uint8 [..., groups * chunks * 264], e.g. one `NativeRowLayout` scale section or several)."""
+    s = torch.as_tensor(native_scales).reshape(-1, SCALE_CHUNK_BYTES)
+    flags = s[:, SCALE_WORDS_BYTES : SCALE_WORDS_BYTES + 4]
+    return int(flags.bool().sum()) / flags.numel()
 
 
 class NativeRowLayout:
     """Expert rows in the kernel-native layout (module docstring); the same interface as
     `RowLayout`: `pack` takes the logical sections [E, ...] and `views` returns them, unpacked,
-    from one native row (a copy, not a view). W2 only: the FP4 tiers have no native layout yet."""
+    from one native row (a copy, not a view); `slow_tile_fractions` tells how much of a row the
+    kernels read on the slow path. W2 only: the FP4 tiers have no native layout yet."""
 
     tier = W2
     layout_id = NATIVE_LAYOUT_ID
@@ -362,11 +445,13 @@ class NativeRowLayout:
         self.hidden_p, self.inter_p = _ceil(hidden, CHUNK_K), _ceil(inter, CHUNK_K)
         self.w13_rows = 2 * inter  # 32-row units of gate and up: a multiple of 64
         self.w2_rows = _ceil(hidden, GROUP_ROWS)
+        chunks13 = self.w13_rows // GROUP_ROWS * self.hidden_p // CHUNK_K  # (group, chunk) pairs
+        chunks2 = self.w2_rows // GROUP_ROWS * self.inter_p // CHUNK_K
         sizes = {
             "w13_codes": self.w13_rows * self.hidden_p // 4,
-            "w13_scales": self.w13_rows * self.hidden_p // 32,
+            "w13_scales": chunks13 * SCALE_CHUNK_BYTES,
             "w2_codes": self.w2_rows * self.inter_p // 4,
-            "w2_scales": self.w2_rows * self.inter_p // 32,
+            "w2_scales": chunks2 * SCALE_CHUNK_BYTES,
         }
         self.offsets: dict[str, int] = {}
         offset = 0
@@ -409,6 +494,16 @@ class NativeRowLayout:
         for name, data in zip(SECTIONS, (*w13, *w2)):
             rows[:, self.offsets[name] : self.offsets[name] + data.shape[1]] = data
         return rows.numpy() if as_numpy else rows
+
+    def slow_tile_fractions(self, row) -> dict[str, float]:
+        """One native row (numpy or torch, 1-D) -> the fraction of slow (row tile, chunk) pairs of
+        w13 and of w2 (`slow_tile_fraction`)."""
+        return {
+            proj: slow_tile_fraction(
+                row[self.offsets[name] : self.offsets[name] + self.sizes[name]]
+            )
+            for proj, name in (("w13", "w13_scales"), ("w2", "w2_scales"))
+        }
 
     def views(self, row):
         """One native row (numpy or torch, 1-D, >= row_bytes) -> the logical sections."""

@@ -3,8 +3,9 @@
 `w2_moe_slots(x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens,
 miss_count, routed)` has the semantics of `reference.w2_moe_slots_reference` (tiered residency,
 design.md) over a pool of expert rows in `layout.NativeRowLayout(hidden, inter)`. On a CUDA device
-with the kernels it runs four launches (csrc/w2_moe.cu): route (job lists, miss counter, routed
-mask, int8 activations), w13, w2, combine; all buffers have fixed addresses per batch shape, so
+with the kernels it runs five launches (csrc/w2_moe.cu): route (job lists, miss counter, routed
+mask, int8 activations), w13 (SiLU(gate) * up in float32), requant (the down projection's int8
+input), w2, combine; all buffers have fixed addresses per batch shape, so
 the op is CUDA-graph capturable once it has run eagerly for that shape (vLLM's warm-up does
 this). Elsewhere it runs the reference in `exact` mode and says so once.
 
@@ -27,6 +28,7 @@ from .reference import w2_moe_slots_reference
 log = logging.getLogger("moet_kernels")
 
 TOK = 8  # pairs per job (the kernels' TOK)
+CHUNK = 128  # K per activation scale (the kernels' KCHUNK)
 MAX_EXPERTS = 1024  # the route kernel's limit
 OUT_KERNELS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -41,6 +43,7 @@ class _Workspace:
     job_slot: torch.Tensor
     job_pairs: torch.Tensor
     pair_ok: torch.Tensor
+    h: torch.Tensor
     aq: torch.Tensor
     as_: torch.Tensor
     y: torch.Tensor
@@ -75,13 +78,14 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
             ids=z(n_tok, top_k, dtype=torch.int32),
             weights=z(n_tok, top_k, dtype=torch.float32),
             xq=z(n_tok, lay.hidden_p, dtype=torch.int8),
-            xs=z(n_tok, lay.hidden_p // 32, dtype=torch.float32),
+            xs=z(n_tok, lay.hidden_p // CHUNK, dtype=torch.float32),
             n_jobs=z(1, dtype=torch.int32),
             job_slot=z(max_jobs, dtype=torch.int32),
             job_pairs=z(max_jobs, TOK, dtype=torch.int32),
             pair_ok=z(pairs, dtype=torch.uint8),
-            aq=z(pairs, lay.inter_p, dtype=torch.int8),  # padding columns stay zero
-            as_=z(pairs, lay.inter_p // 32, dtype=torch.float32),
+            h=z(pairs, lay.inter_p, dtype=torch.float32),  # columns past inter are never read
+            aq=z(pairs, lay.inter_p, dtype=torch.int8),
+            as_=z(pairs, lay.inter_p // CHUNK, dtype=torch.float32),
             y=z(pairs, lay.hidden, dtype=torch.float32),
             max_jobs=max_jobs,
         )
@@ -116,10 +120,10 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     out = torch.empty(n_tok, hidden, dtype=x.dtype, device=dev)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     kind = OUT_KERNELS[x.dtype]
-    items = n_tok * (lay.hidden_p // 32)
+    warps = n_tok * (lay.hidden_p // CHUNK)  # activation quantization: a warp per chunk
     mod.launch(
         f"moet_route_{kind}",
-        1 + min(-(-items // 256), 4 * mod.sms),
+        1 + min(-(-warps // 8), 4 * mod.sms),
         256,
         [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ws.ids), i32(top_k),
          _ptr(slot_table), i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count), _ptr(routed),
@@ -134,8 +138,16 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
-         i32(top_k), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs), _ptr(ws.aq),
-         _ptr(ws.as_), i32(lay.inter_p)],
+         i32(top_k), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs), _ptr(ws.h),
+         i32(lay.inter_p)],
+    )  # fmt: skip
+    pairs = n_tok * top_k
+    mod.launch(
+        "moet_requant",
+        min(-(-(pairs * (lay.inter_p // CHUNK)) // 8), 8 * mod.sms),
+        256,
+        [_ptr(ws.h), _ptr(ws.pair_ok), i32(pairs), i32(lay.inter), i32(lay.inter_p), _ptr(ws.aq),
+         _ptr(ws.as_)],
     )  # fmt: skip
     groups = lay.w2_rows // 64
     mod.launch(

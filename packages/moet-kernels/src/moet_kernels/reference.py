@@ -14,8 +14,13 @@ float32 can hold it: from 2**-127 (a subnormal) up to 2**127; |w| = 2**128 and 2
 b = 253 or 254) overflow to +-inf. The references have two modes (design.md, Kernels): `exact`
 (activations unquantized: the CPU serving path) and `kernel`, the GPU oracle, which mirrors what
 the kernels (csrc/w2_moe.cu) quantize: activations to int8 with a float32 scale per token and
-block of 32 along K (`quantize_activations`), before the gate/up and again before the down
-projection, and a scale byte of 0 (2**-127, only in all-zero or sub-1e-37 blocks) read as 0.
+block of 128 along K (`ACT_BLOCK`, `quantize_activations`; a K that is not a multiple of 128 is
+zero-padded, which leaves every amax as it is), before the gate/up and again before the down
+projection, and a scale byte of 0 (2**-127, only in all-zero or sub-1e-37 blocks) read as 0. The
+weights keep their exact scale per 32: a kernel promotes a 128-block's int32 partials with the
+weight scales times the block's one activation scale (per 32, or once per 128 where the native
+layout's fast tiles fold the 32-blocks' power-of-two ratios into the integer sum; the same value
+either way, up to float32 accumulation).
 Kernel mode computes each projection in float64 from those exact quantized operands; the kernels
 accumulate in float32, so the two agree to float32 rounding, and rarely by one int8 step where a
 value sits on a rounding boundary.
@@ -30,10 +35,11 @@ W2, unchanged): `exact` mode rounds the exact weights to float32 once and comput
 `kernel` mode takes what an int8 mma kernel computes, `kernel_operands`: 2 * e2m1 is an integer
 level in {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}, so a weight is an int8 level times half its
 scale (UE8M0: 2**(b - 128), a scale byte of 0 read as 0 as for W2; NVFP4: e4m3 / 2 times the
-row's global scale, per 16 along K). Activations are quantized per token and 32-block as for W2;
-for NVFP4 each 32-block's two 16-halves make separate int32 partial sums, each promoted with
-its own weight scale times the block's activation scale (kernel mode's float64 value is the same
-whichever way the kernel groups these exact products).
+row's global scale, per 16 along K). Activations are quantized per token and 128-block as for
+W2 (the same `ACT_BLOCK`: the FP4 tiers' int8 mma kernels read the same activation blocks); the
+int32 partial sums are per weight-scale group (32 along K; for NVFP4 per 16-half), each promoted
+with its own weight scale times the 128-block's activation scale (kernel mode's float64 value is
+the same whichever way the kernel groups these exact products).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from .layout import W2, Tier, tier_of
 
 LEVELS = (-4.0, -1.0, 1.0, 4.0)  # by 2-bit code
 BLOCK = 32  # weights per UE8M0 scale, along K
+ACT_BLOCK = 128  # activations per float32 scale of the kernels' int8 quantization, along K
 CODES_PER_BYTE = 4
 MODES = ("exact", "kernel")
 E2M1_LEVELS = tuple(int(2 * v) for v in E2M1_VALUES)  # int8 level (2 * e2m1) by nibble
@@ -86,24 +93,27 @@ def w2_dequant(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [T, K] (K a multiple of 32) -> (q int8 [T, K], s float32 [T, K/32]), as the kernels
-    do: per token and block of 32, s = amax / 127 and q = round-half-even(x / s) in float32
-    (q = 0 where s = 0); a block holding NaN gets s = NaN."""
+    """float [T, K] -> (q int8 [T, K], s float32 [T, ceil(K/128)]), as the kernels do: per token
+    and block of `ACT_BLOCK` = 128 along K, s = amax / 127 and q = round-half-even(x / s) in
+    float32 (q = 0 where s = 0); a block holding NaN gets s = NaN. A K that is not a multiple of
+    128 counts as zero-padded to the next one (the padding leaves amax as it is)."""
     t, k = x.shape
-    xb = x.to(torch.float32).view(t, k // BLOCK, BLOCK)
+    nb = -(-k // ACT_BLOCK)
+    xb = torch.zeros(t, nb * ACT_BLOCK, dtype=torch.float32, device=x.device)
+    xb[:, :k] = x
+    xb = xb.view(t, nb, ACT_BLOCK)
     nan = torch.isnan(xb).any(dim=-1)
     s = xb.abs().nan_to_num(nan=0.0).amax(dim=-1) / 127.0
     s = torch.where(nan, torch.nan, s)
     safe = torch.where(s > 0, s, 1.0).unsqueeze(-1)
     q = torch.where(s.unsqueeze(-1) > 0, torch.round(xb / safe), 0.0).nan_to_num(nan=0.0)
-    return q.to(torch.int8).view(t, k), s
+    return q.to(torch.int8).view(t, -1)[:, :k].contiguous(), s
 
 
 def _dequant_activations(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The exact float64 value of quantized activations."""
-    return (
-        q.to(torch.float64).unflatten(-1, (-1, BLOCK)) * s.to(torch.float64).unsqueeze(-1)
-    ).flatten(-2)
+    """The exact float64 value of quantized activations: q [..., K], s [..., ceil(K/128)]."""
+    scale = s.to(torch.float64).repeat_interleave(ACT_BLOCK, dim=-1)[..., : q.shape[-1]]
+    return q.to(torch.float64) * scale
 
 
 def _fp4_geometry(codes: torch.Tensor, scales: torch.Tensor, group: int, what: str) -> int:
@@ -589,6 +599,7 @@ def _topk_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 __all__ = [
+    "ACT_BLOCK",
     "BLOCK",
     "E2M1_LEVELS",
     "LEVELS",
