@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "packages" / "moet-kernels" / "src"))
+for _pkg in ("moet-kernels", "moet-quant"):  # the references decode with moet-quant's tables
+    sys.path.insert(0, str(ROOT / "packages" / _pkg / "src"))
 
 import torch  # noqa: E402
 from provenance import provenance  # noqa: E402  (bench/, the script's folder)
