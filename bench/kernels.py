@@ -401,6 +401,8 @@ def main() -> int:
     ap.add_argument("--only", choices=("validate", "time"))
     ap.add_argument("--sanitize", action="store_true", help="reduced validation only")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
+    ap.add_argument("--no-wide", action="store_true", help="skip the wide-scales timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
@@ -419,9 +421,11 @@ def main() -> int:
         print(f"validation: {sum(r['ok'] for r in report['validation'])}/"
               f"{len(report['validation'])} cases ok")  # fmt: skip
     if args.only in (None, "time"):
-        report["timing"] = time_layers(gen)
-        print("worst case: every block exponent drawn independently (mostly slow tiles)")
-        report["timing_wide_scales"] = time_layers(gen, batches=(1, 8), scales="wide")
+        report["timing"] = time_layers(gen, batches=args.batches)
+        if not args.no_wide:
+            print("worst case: every block exponent drawn independently (mostly slow tiles)")
+            report["timing_wide_scales"] = time_layers(gen, batches=(1, 8), scales="wide")
+    report["nvcc_flags"] = os.environ.get("MOET_NVCC_FLAGS", "")
     write_result("kernels", report, machine(), args.out)
     return 0 if ok else 1
 

@@ -43,7 +43,9 @@ constexpr int ROUTE_THREADS = 256;
 #ifndef W13_BLOCKS
 #define W13_BLOCKS 3
 #endif
+#ifndef W2_BLOCKS
 #define W2_BLOCKS 3
+#endif
 constexpr int MAX_EXPERTS = 1024;
 
 __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
@@ -191,6 +193,14 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
+#ifdef MOET_SINGLE_BUFFER  // a variant for timing: one chunk in flight per warp
+#pragma unroll 1
+  for (int c = warp; c < nchunks; c += WARPS) {
+    Chunk a;
+    load_chunk(a, codes, scales, c, act_g, as0, as1, lane);
+    mma_chunk(f, a, lane & 3);
+  }
+#else
   Chunk a, b;  // ping-pong: no register copies between iterations
   load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
@@ -201,6 +211,7 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
     if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
     mma_chunk(f, b, lane & 3);
   }
+#endif
 }
 
 // Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
