@@ -130,54 +130,78 @@ __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const
   k.x1 = as1 ? as1[c] : 0.f;
 }
 
-// The 4 k-tiles of row tile rt with the level tables tab (row g) and tab8 (row g+8): a PRMT
-// selector nibble's bit 2 picks the second source (the same table: don't care), bit 3 must be
-// clear, so 5 integer ops prepare the 4 selectors of 16 codes. Returns the int32 sums' floats.
-__device__ __forceinline__ void tile_sums(float (&d)[4], const Chunk& k, int rt, uint32_t tab,
-                                          uint32_t tab8) {
-  uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
-#pragma unroll
-  for (int tt = 0; tt < 4; ++tt) {
-    const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
-    const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
-    const uint32_t w = word_of(k.cw[rt], tt);
-    const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
-    mma_s8(acc, __byte_perm(tab, tab, lo), __byte_perm(tab8, tab8, hi),
-           __byte_perm(tab, tab, lo >> 16), __byte_perm(tab8, tab8, hi >> 16), b0, b1);
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(acc[i]) - MAGIC;
+// Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
+// (row g+8) and accumulates its mma into acc. A PRMT selector nibble's bit 2 picks the second
+// source (the same table: don't care), bit 3 must be clear.
+__device__ __forceinline__ void tile_mma(uint32_t (&acc)[4], const Chunk& k, int rt, int tt,
+                                         uint32_t tab, uint32_t tab8) {
+  const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
+  const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
+  const uint32_t w = word_of(k.cw[rt], tt);
+  const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
+  mma_s8(acc, __byte_perm(tab, tab, lo), __byte_perm(tab8, tab8, hi),
+         __byte_perm(tab, tab, lo >> 16), __byte_perm(tab8, tab8, hi >> 16), b0, b1);
 }
 
-// f[rt][0..3] += row g / g+8 x columns 2tig / 2tig+1 of one chunk. A fast row tile's word holds
-// b_min in bits 23..30 (so masking it gives the float 2^(b_min - 127)) and v_j = 2^(b_j - b_min)
-// in bits 5j..5j+4; v * 0x0400FEFC + 0x10100 is the table (-4v, -v, v, 4v) for 1 <= v <= 16.
-// A slow tile's words are the 4 raw scale bytes: one pass per 32-block j, where only lane group
-// j's table is non-zero, promoted with that block's scales (a scale byte of 0 reads as 0).
+// f[rt][0..3] += the int32 sums acc (biased by MAGIC) x the scales of rows g / g+8 (s, s8) and of
+// columns 2tig / 2tig+1.
+__device__ __forceinline__ void promote(float (&f)[4], const uint32_t (&acc)[4], float s, float s8,
+                                        const Chunk& k) {
+  f[0] = fmaf(__uint_as_float(acc[0]) - MAGIC, s * k.x0, f[0]);
+  f[1] = fmaf(__uint_as_float(acc[1]) - MAGIC, s * k.x1, f[1]);
+  f[2] = fmaf(__uint_as_float(acc[2]) - MAGIC, s8 * k.x0, f[2]);
+  f[3] = fmaf(__uint_as_float(acc[3]) - MAGIC, s8 * k.x1, f[3]);
+}
+
+// The level table (-4v, -v, v, 4v) of this lane's 32-block from a fast tile's word, whose bits
+// 5j..5j+4 hold v_j = 2^(b_j - b_min) (1 <= v <= 16 keeps every level an int8).
+__device__ __forceinline__ uint32_t fast_table(uint32_t word, int tig) {
+  return ((word >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u;
+}
+
+// f[rt][0..3] += rows g / g+8 of row tile rt x columns 2tig / 2tig+1, over one chunk.
+// Fast tiles: the chunk's 4 k-tiles accumulate in int32 and one promotion applies 2^(b_min - 127)
+// (a fast word's bits 23..30 hold b_min, so masking them gives the float) times the activation
+// scale. When no tile of the chunk is slow (the common case) the 4 row tiles' mma chains run
+// interleaved. A slow tile's words are the 4 raw scale bytes: one pass per 32-block j, where only
+// lane group j's table is non-zero, promoted with that block's scales (a byte of 0 reads as 0).
 __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int tig) {
+  if (k.slow == 0) {
+    uint32_t acc[4][4];
+#pragma unroll
+    for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][i] = MAGIC_BITS;
+#pragma unroll
+    for (int tt = 0; tt < 4; ++tt)
+#pragma unroll
+      for (int rt = 0; rt < 4; ++rt)
+        tile_mma(acc[rt], k, rt, tt, fast_table(k.sw[rt].x, tig), fast_table(k.sw[rt].y, tig));
+#pragma unroll
+    for (int rt = 0; rt < 4; ++rt)
+      promote(f[rt], acc[rt], __uint_as_float(k.sw[rt].x & 0x7F800000u),
+              __uint_as_float(k.sw[rt].y & 0x7F800000u), k);
+    return;
+  }
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) {
     const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
-    float d[4];
     if (!((k.slow >> (8 * rt)) & 1u)) {
-      tile_sums(d, k, rt, ((wg >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u,
-                ((wg8 >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u);
-      const float s = __uint_as_float(wg & 0x7F800000u), s8 = __uint_as_float(wg8 & 0x7F800000u);
-      f[rt][0] = fmaf(d[0], s * k.x0, f[rt][0]);
-      f[rt][1] = fmaf(d[1], s * k.x1, f[rt][1]);
-      f[rt][2] = fmaf(d[2], s8 * k.x0, f[rt][2]);
-      f[rt][3] = fmaf(d[3], s8 * k.x1, f[rt][3]);
+      uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
+#pragma unroll
+      for (int tt = 0; tt < 4; ++tt)
+        tile_mma(acc, k, rt, tt, fast_table(wg, tig), fast_table(wg8, tig));
+      promote(f[rt], acc, __uint_as_float(wg & 0x7F800000u), __uint_as_float(wg8 & 0x7F800000u),
+              k);
       continue;
     }
 #pragma unroll 1
     for (int j = 0; j < 4; ++j) {
       const uint32_t tab = tig == j ? LEVELS : 0u;
-      tile_sums(d, k, rt, tab, tab);
-      const float s = ue8m0(wg, j), s8 = ue8m0(wg8, j);
-      f[rt][0] = fmaf(d[0], s * k.x0, f[rt][0]);
-      f[rt][1] = fmaf(d[1], s * k.x1, f[rt][1]);
-      f[rt][2] = fmaf(d[2], s8 * k.x0, f[rt][2]);
-      f[rt][3] = fmaf(d[3], s8 * k.x1, f[rt][3]);
+      uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
+#pragma unroll
+      for (int tt = 0; tt < 4; ++tt) tile_mma(acc, k, rt, tt, tab, tab);
+      promote(f[rt], acc, ue8m0(wg, j), ue8m0(wg8, j), k);
     }
   }
 }
