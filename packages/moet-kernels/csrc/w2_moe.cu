@@ -40,14 +40,11 @@ constexpr int ROUTE_THREADS = 256;
 // CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
 // sm_90a; the other targets, and w2 everywhere, need more registers (no spills at 3). Measured on
 // the H200: single-buffered chunks at 4 or 5 CTAs per SM were no faster (bench/results/kernels).
-#ifndef STAGES
-#define STAGES 3  // chunks in flight per warp (shared-memory stages)
-#endif
 #ifndef W13_BLOCKS
-#define W13_BLOCKS 4
+#define W13_BLOCKS 3
 #endif
 #ifndef W2_BLOCKS
-#define W2_BLOCKS 4
+#define W2_BLOCKS 3
 #endif
 constexpr int MAX_EXPERTS = 1024;
 
@@ -113,7 +110,6 @@ struct Chunk {
   float x0, x1;
 };
 
-#ifdef MOET_REGISTER_PIPELINE  // the previous pipeline, kept for an A/B timing
 __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const uint8_t* scales,
                                            int c, const int8_t* act_g, const float* as0,
                                            const float* as1, int lane) {
@@ -127,13 +123,12 @@ __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const
   k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
   if (act_g) {
     const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
-    k.b_lo = p[0];
-    k.b_hi = p[1];
+    k.b_lo = __ldg(p);  // read-only for the kernel's lifetime: the non-coherent cached path
+    k.b_hi = __ldg(p + 1);
   }
-  k.x0 = as0 ? as0[c] : 0.f;
-  k.x1 = as1 ? as1[c] : 0.f;
+  k.x0 = as0 ? __ldg(as0 + c) : 0.f;
+  k.x1 = as1 ? __ldg(as1 + c) : 0.f;
 }
-#endif
 
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
 // (row g+8) and accumulates its mma into acc. A PRMT selector nibble's bit 2 picks the second
@@ -211,103 +206,12 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int 
   }
 }
 
-#ifndef MOET_REGISTER_PIPELINE
-// The staged pipeline: each warp streams its chunks through a ring of STAGES shared-memory
-// stages filled by cp.async, STAGES chunks ahead of the math, so the bytes in flight do not
-// hold registers (4 CTAs per SM fit). Stage: codes as in the pool, scale words and flags, then
-// the lanes' activation fragments (all b_lo, then all b_hi: no bank conflicts).
-constexpr int STAGE_SCALES = CODE_CHUNK;                 // 2048
-constexpr int STAGE_ACT = STAGE_SCALES + SCALE_CHUNK + 8;  // 2320: 16-byte aligned
-constexpr int STAGE_BYTES = STAGE_ACT + 32 * 32;         // 3344
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int bytes = 16) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-// Starts the copies of chunk c into one stage (activations zero-filled where act_g is null).
-__device__ __forceinline__ void stage_chunk(uint8_t* stage, const uint8_t* codes,
-                                            const uint8_t* scales, int c, const int8_t* act_g,
-                                            int lane) {
-  const uint32_t st = (uint32_t)__cvta_generic_to_shared(stage);
-#pragma unroll
-  for (int rt = 0; rt < 4; ++rt)
-    cp_async16(st + rt * 512 + lane * 16, codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
-  const uint8_t* sc = scales + (size_t)c * SCALE_CHUNK;
-  cp_async8(st + STAGE_SCALES + lane * 8, sc + lane * 8);
-  if (lane == 0) cp_async8(st + STAGE_SCALES + SLOW_FLAGS, sc + SLOW_FLAGS);
-  const int8_t* a = act_g ? act_g + c * KCHUNK + (lane & 3) * 32 : nullptr;
-  const void* src = a ? (const void*)a : (const void*)codes;  // not read when zero-filling
-  cp_async16(st + STAGE_ACT + lane * 16, src, a ? 16 : 0);
-  cp_async16(st + STAGE_ACT + 512 + lane * 16, a ? (const void*)(a + 16) : src, a ? 16 : 0);
-}
-
-__device__ __forceinline__ void read_stage(Chunk& k, const uint8_t* stage, int lane) {
-  const int g = lane >> 2;
-#pragma unroll
-  for (int rt = 0; rt < 4; ++rt) {
-    k.cw[rt] = *reinterpret_cast<const uint4*>(stage + rt * 512 + lane * 16);
-    k.sw[rt] = *reinterpret_cast<const uint2*>(stage + STAGE_SCALES + rt * 64 + g * 8);
-  }
-  k.slow = *reinterpret_cast<const uint32_t*>(stage + STAGE_SCALES + SLOW_FLAGS);
-  k.b_lo = *reinterpret_cast<const uint4*>(stage + STAGE_ACT + lane * 16);
-  k.b_hi = *reinterpret_cast<const uint4*>(stage + STAGE_ACT + 512 + lane * 16);
-}
-
-// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
-// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
-__device__ __forceinline__ void gemm64(float (&f)[4][4], uint8_t (*stages)[STAGE_BYTES],
-                                       const uint8_t* codes, const uint8_t* scales, int nchunks,
-                                       const int8_t* act_g, const float* as0, const float* as1,
-                                       int warp, int lane) {
-#pragma unroll
-  for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
-  const int n = warp < nchunks ? (nchunks - 1 - warp) / WARPS + 1 : 0;  // chunks warp + 4i
-#pragma unroll
-  for (int i = 0; i < STAGES; ++i) {
-    if (i < n) stage_chunk(stages[i], codes, scales, warp + i * WARPS, act_g, lane);
-    cp_async_commit();  // one group per chunk slot, empty or not: wait_group counts them
-  }
-  float x0 = n && as0 ? as0[warp] : 0.f, x1 = n && as1 ? as1[warp] : 0.f;
-  int s = 0;
-#pragma unroll 1
-  for (int i = 0; i < n; ++i) {
-    cp_async_wait<STAGES - 1>();  // chunk i has landed (this lane's copies)
-    __syncwarp();                 // ... and every lane's
-    Chunk k;
-    read_stage(k, stages[s], lane);
-    k.x0 = x0;
-    k.x1 = x1;
-    __syncwarp();  // the stage is read: refill it
-    if (i + STAGES < n) stage_chunk(stages[s], codes, scales, warp + (i + STAGES) * WARPS, act_g, lane);
-    cp_async_commit();
-    if (i + 1 < n) {
-      const int c = warp + (i + 1) * WARPS;
-      x0 = as0 ? as0[c] : 0.f;
-      x1 = as1 ? as1[c] : 0.f;
-    }
-    s = s + 1 == STAGES ? 0 : s + 1;
-    mma_chunk(f, k, lane & 3);
-  }
-}
-#else
 // One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
 // activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
 // The next chunk's loads are issued before the current chunk's math (two chunks in flight).
-constexpr int STAGE_BYTES = 16;  // unused here
-__device__ __forceinline__ void gemm64(float (&f)[4][4], uint8_t (*)[STAGE_BYTES],
-                                       const uint8_t* codes, const uint8_t* scales, int nchunks,
-                                       const int8_t* act_g, const float* as0, const float* as1,
-                                       int warp, int lane) {
+__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
+                                       const uint8_t* scales, int nchunks, const int8_t* act_g,
+                                       const float* as0, const float* as1, int warp, int lane) {
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
@@ -324,8 +228,6 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], uint8_t (*)[STAGE_BYTES
     mma_chunk(f, b, lane & 3);
   }
 }
-
-#endif  // MOET_REGISTER_PIPELINE
 
 // Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
 __device__ __forceinline__ void reduce_warps(float (&f)[4][4], float (*red)[16][32], int warp,
@@ -538,10 +440,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
              int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,
              const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {
   __shared__ float red[WARPS][16][32];
-  __shared__ __align__(16) uint8_t stages[WARPS][STAGES][STAGE_BYTES];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
+#ifdef MOET_STRIDED_ITEMS
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
+#else
+  const int per = (work + gridDim.x - 1) / gridDim.x;
+  for (int item = blockIdx.x * per; item < min(work, (blockIdx.x + 1) * per); ++item) {
+#endif
     const int job = item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
@@ -550,7 +456,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
     float f[4][4];
-    gemm64(f, stages[warp], row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
+    gemm64(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
            row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
     reduce_warps(f, red, warp, lane);
@@ -599,10 +505,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
             int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
             const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {
   __shared__ float red[WARPS][16][32];
-  __shared__ __align__(16) uint8_t stages[WARPS][STAGES][STAGE_BYTES];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_groups;
+#ifdef MOET_STRIDED_ITEMS
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
+#else
+  const int per = (work + gridDim.x - 1) / gridDim.x;
+  for (int item = blockIdx.x * per; item < min(work, (blockIdx.x + 1) * per); ++item) {
+#endif
     const int job = item / n_groups, rg = item % n_groups;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
@@ -611,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
     float f[4][4];
-    gemm64(f, stages[warp], row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
+    gemm64(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
            row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
     reduce_warps(f, red, warp, lane);
