@@ -37,9 +37,9 @@ constexpr int SCALE_CHUNK = 264;  // scale bytes per (64-row group, K chunk): wo
 constexpr int SLOW_FLAGS = 256;   // byte rt of the 4 after the words: row tile rt is slow
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
 constexpr int ROUTE_THREADS = 256;
-// CTAs per SM the register budget is sized for: 4 fits w13 in 128 registers without spills on
-// sm_90a; the other targets, and w2 everywhere, need more registers (no spills at 3). Measured on
-// the H200: single-buffered chunks at 4 or 5 CTAs per SM were no faster (bench/results/kernels).
+// CTAs per SM the register budget is sized for: 3 (up to 170 registers, no spills on any target).
+// Measured on the H200 (docs/kernels.md): 4 CTAs with single-buffered chunks, and 4 CTAs with
+// chunks staged in shared memory by cp.async, were both slower.
 #ifndef W13_BLOCKS
 #define W13_BLOCKS 3
 #endif
@@ -123,11 +123,11 @@ __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const
   k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
   if (act_g) {
     const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
-    k.b_lo = __ldg(p);  // read-only for the kernel's lifetime: the non-coherent cached path
-    k.b_hi = __ldg(p + 1);
+    k.b_lo = p[0];
+    k.b_hi = p[1];
   }
-  k.x0 = as0 ? __ldg(as0 + c) : 0.f;
-  k.x1 = as1 ? __ldg(as1 + c) : 0.f;
+  k.x0 = as0 ? as0[c] : 0.f;
+  k.x1 = as1 ? as1[c] : 0.f;
 }
 
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
@@ -442,12 +442,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
-#ifdef MOET_STRIDED_ITEMS
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-#else
-  const int per = (work + gridDim.x - 1) / gridDim.x;
-  for (int item = blockIdx.x * per; item < min(work, (blockIdx.x + 1) * per); ++item) {
-#endif
     const int job = item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
@@ -507,12 +502,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_groups;
-#ifdef MOET_STRIDED_ITEMS
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-#else
-  const int per = (work + gridDim.x - 1) / gridDim.x;
-  for (int item = blockIdx.x * per; item < min(work, (blockIdx.x + 1) * per); ++item) {
-#endif
     const int job = item / n_groups, rg = item % n_groups;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
