@@ -16,7 +16,8 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
   path's worst case); effective
   bandwidth on routed expert bytes as a share of the device-to-device copy bandwidth measured in
   the same run; per-kernel times from the profiler; vLLM 0.24's kernels from design.md, marked
-  "not same run".
+  "not same run" (bench/h200/vllm_moe.py times them in the same device run where vLLM is staged:
+  bench/h200/kernels.sh runs it).
 - --sanitize: a reduced validation for compute-sanitizer (memcheck, racecheck).
 
 Writes <gpu>-<date>.json to --out (default bench/results/kernels/), with the run's provenance

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # moet-kernels on the H200 machine (one `device` run): build the cubin there with nvcc, validate
-# every op against the references, time the GLM-5.2 layer, then a reduced validation under
+# every op against the references, time the GLM-5.2 layer (and vLLM 0.24's own kernels on it where
+# vLLM is staged in ~/site), then a reduced validation under
 # compute-sanitizer (memcheck; racecheck with RACECHECK=1).
 # Usage there: MOET_COMMIT=<sha> bash bench/h200/kernels.sh  (results under $OUT)
 set -uo pipefail
@@ -10,6 +11,9 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 bench/kernels.py --out "$out" "$@" 2>&1 | tee "$out/kernels.log"
 status=${PIPESTATUS[0]}
+if [ -d "$HOME/site/vllm" ]; then  # vLLM 0.24 staged (../shared/gpu/vllm-0.24/): its kernels, same run
+  PYTHONPATH="$HOME/site" timeout 420 python3 bench/h200/vllm_moe.py --out "$out" 2>&1 | tee "$out/vllm_moe.log"
+fi
 tools=(memcheck)
 [ "${RACECHECK:-0}" = 1 ] && tools+=(racecheck)
 for tool in "${tools[@]}"; do
