@@ -99,12 +99,21 @@ class Layer:
     pool on the GPU whose slots hold the experts in a random order."""
 
     def __init__(
-        self, hidden, inter, n_experts, gen, resident=1.0, keep_logical=True, scales="trained"
+        self,
+        hidden,
+        inter,
+        n_experts,
+        gen,
+        resident=1.0,
+        keep_logical=True,
+        scales="trained",
+        tier="w2",
     ):
         from moet_kernels.layout import NativeRowLayout
 
         dev = "cuda"
-        self.hidden, self.inter, self.n_experts = hidden, inter, n_experts
+        self.hidden, self.inter, self.n_experts, self.tier = hidden, inter, n_experts, tier
+        per_byte = 4 if tier == "w2" else 2  # codes per byte: 2-bit or e2m1 nibbles
 
         def codes(*shape):
             return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
@@ -115,9 +124,9 @@ class Layer:
             return random_scales(shape, kind, gen)
 
         e, h, i = n_experts, hidden, inter
-        self.c13, self.s13 = codes(e, 2 * i, h // 4), scales(e, 2 * i, h // 32)
-        self.c2, self.s2 = codes(e, h, i // 4), scales(e, h, i // 32)
-        self.lay = NativeRowLayout(hidden, inter)
+        self.c13, self.s13 = codes(e, 2 * i, h // per_byte), scales(e, 2 * i, h // 32)
+        self.c2, self.s2 = codes(e, h, i // per_byte), scales(e, h, i // 32)
+        self.lay = NativeRowLayout(hidden, inter, tier)
         rows = torch.cat(
             [
                 self.lay.pack(
@@ -140,8 +149,8 @@ class Layer:
             del self.c13, self.s13, self.c2, self.s2
 
     def expert_bytes(self) -> int:
-        """Bytes of one expert at 2.25 bits/weight (codes + UE8M0 scales, no padding)."""
-        return 3 * self.hidden * self.inter * 9 // 32
+        """Bytes of one expert at 2.25 (W2) or 4.25 (FP4) bits/weight (codes + UE8M0 scales)."""
+        return 3 * self.hidden * self.inter * (9 if self.tier == "w2" else 17) // 32
 
 
 def routing(n_tok, n_experts, top_k, gen, dev="cuda"):
@@ -155,8 +164,9 @@ def run_op(layer, x, ids, w, n_real, miss, routed):
     from moet_kernels.ops import w2_moe_slots
 
     return w2_moe_slots(
-        x, ids, w, layer.pool, layer.slots, layer.hidden, layer.inter, n_real, miss, routed
-    )
+        x, ids, w, layer.pool, layer.slots, layer.hidden, layer.inter, n_real, miss, routed,
+        layer.tier,
+    )  # fmt: skip
 
 
 def poison_workspaces(layer) -> None:
@@ -178,17 +188,19 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def validate_case(name, hidden, inter, n_experts, top_k, n_tok, gen, dtype, resident, pad, scales):
+def validate_case(
+    name, hidden, inter, n_experts, top_k, n_tok, gen, dtype, resident, pad, scales, tier
+):
     from moet_kernels.reference import _moe
 
-    layer = Layer(hidden, inter, n_experts, gen, resident=resident, scales=scales)
+    layer = Layer(hidden, inter, n_experts, gen, resident=resident, scales=scales, tier=tier)
     ids, w = routing(n_tok, n_experts, top_k, gen)
     x = (torch.randn(n_tok, hidden, device="cuda", generator=gen) * 0.5).to(dtype)
     n_real = max(1, n_tok - pad)
     nr = torch.tensor([n_real], dtype=torch.int32, device="cuda")
     result = {"case": name, "hidden": hidden, "inter": inter, "experts": n_experts,
               "top_k": top_k, "tokens": n_tok, "real_tokens": n_real, "dtype": str(dtype),
-              "resident": resident, "scales": scales,
+              "resident": resident, "scales": scales, "tier": tier,
               "slow_tiles": layer.lay.slow_tile_fractions(layer.pool[0])}  # fmt: skip
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")
     routed = torch.zeros(n_experts, dtype=torch.uint8, device="cuda")
@@ -214,8 +226,8 @@ def validate_case(name, hidden, inter, n_experts, top_k, n_tok, gen, dtype, resi
         return bool(slots[e] < 0)
 
     xf = x.float()
-    ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel")
-    ref_x = _moe(xf.double(), ids.long(), w, inter, experts, skip=skip, mode="exact")
+    ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel", tier=tier)
+    ref_x = _moe(xf.double(), ids.long(), w, inter, experts, skip=skip, mode="exact", tier=tier)
     result["rel_vs_kernel_ref"] = rel(out.float(), ref_k)
     result["rel_vs_exact_ref"] = rel(out.float(), ref_x)
     result["rel_kernel_ref_vs_exact_ref"] = rel(ref_k, ref_x)
@@ -256,30 +268,38 @@ def validate(gen, reduced: bool) -> list[dict]:
     results = []
     if reduced:
         plan = [
-            ("fixture", 5, torch.float32, 0.7, 2, "wide"),
-            ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0, "trained"),
-            ("fixture", 80, torch.bfloat16, 0.9, 3, "trained"),  # 320 pairs: 2 tiles of the job
-            # sort (a model shape this large does not finish under racecheck in 10 minutes)
+            ("fixture", 5, torch.float32, 0.7, 2, "wide", "w2"),
+            ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0, "trained", "w2"),
+            ("fixture", 80, torch.bfloat16, 0.9, 3, "trained", "w2"),  # 320 pairs: 2 tiles of
+            # the job sort (a model shape this large does not finish under racecheck in 10 min)
+            ("fixture", 5, torch.float32, 0.7, 2, "wide", "fp4r"),
+            ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0, "trained", "fp4r"),
         ]
     else:
         plan = []
         for name in SHAPES:
             small = name in ("fixture", "qwen3-235b-tp4", "deepseek-v3-tp4")
             for n_tok in (1, 3, 8, 32, 100) if small else (1, 8, 32):
-                plan.append((name, n_tok, torch.float32, 1.0, 0, "trained"))
-            plan.append((name, 8, torch.float32, 1.0, 0, "wide"))  # the slow path
-            plan.append((name, 8, torch.bfloat16, 0.6, 3, "wide"))  # misses, padding rows, bf16
-            plan.append((name, 33, torch.float32, 0.8, 5, "trained"))
+                plan.append((name, n_tok, torch.float32, 1.0, 0, "trained", "w2"))
+            plan.append((name, 8, torch.float32, 1.0, 0, "wide", "w2"))  # the slow path
+            plan.append((name, 8, torch.bfloat16, 0.6, 3, "wide", "w2"))  # misses, padding, bf16
+            plan.append((name, 33, torch.float32, 0.8, 5, "trained", "w2"))
             # a prefill size (many jobs per expert, several tiles of the job sort), with misses
-            plan.append((name, 300 if small else 256, torch.bfloat16, 0.9, 7, "trained"))
-    for name, n_tok, dtype, resident, pad, scales in plan:
+            plan.append((name, 300 if small else 256, torch.bfloat16, 0.9, 7, "trained", "w2"))
+        for name in ("glm-5.2", "deepseek-v3-tp4", "qwen3-235b-tp4", "fixture"):  # FP4 rows
+            plan.append((name, 1, torch.float32, 1.0, 0, "trained", "fp4r"))
+            plan.append((name, 8, torch.float32, 1.0, 0, "wide", "fp4r"))
+            plan.append((name, 8, torch.bfloat16, 0.6, 3, "trained", "fp4x-mxfp4"))
+            plan.append((name, 33, torch.float32, 0.8, 5, "wide", "fp4r"))
+            plan.append((name, 256, torch.bfloat16, 0.9, 7, "trained", "fp4r"))
+    for name, n_tok, dtype, resident, pad, scales, tier in plan:
         h, i, e, k = SHAPES[name]
         t0 = time.time()
-        r = validate_case(name, h, i, e, k, n_tok, gen, dtype, resident, pad, scales)
+        r = validate_case(name, h, i, e, k, n_tok, gen, dtype, resident, pad, scales, tier)
         r["seconds"] = round(time.time() - t0, 2)
         results.append(r)
         print(
-            f"{'ok  ' if r['ok'] else 'FAIL'} {name:16s} T={n_tok:3d} {str(dtype)[6:]:8s} "
+            f"{'ok  ' if r['ok'] else 'FAIL'} {tier:10s} {name:16s} T={n_tok:3d} {str(dtype)[6:]:8s} "
             f"{scales:7s} slow={r['slow_tiles']['w13']:.2f} res={resident:.1f} rel_k={r['rel_vs_kernel_ref']:.2e} "
             f"rel_x={r['rel_vs_exact_ref']:.2e} (ref_k vs ref_x {r['rel_kernel_ref_vs_exact_ref']:.2e}) "
             f"miss={r['miss_count']} rerun={r['rerun_identical']} graph={r['graph_equals_eager']}",
@@ -306,13 +326,16 @@ def copy_bandwidth() -> float:
     return 2 * n / sorted(times[5:])[len(times[5:]) // 2]
 
 
-def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained") -> dict:
+def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier="w2") -> dict:
     from moet_kernels import ops
 
     h, i, e, k = SHAPES["glm-5.2"]
-    layers = [Layer(h, i, e, gen, keep_logical=False, scales=scales) for _ in range(n_layers)]
+    layers = [
+        Layer(h, i, e, gen, keep_logical=False, scales=scales, tier=tier) for _ in range(n_layers)
+    ]
     bw = copy_bandwidth()
     out = {"copy_bandwidth_GBps": bw / 1e9, "layers_in_graph": n_layers, "scales": scales,
+           "tier": tier,
            "slow_tiles": layers[0].lay.slow_tile_fractions(layers[0].pool[0]),
            "batches": {}}  # fmt: skip
     nr_all = {}
@@ -404,6 +427,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-scales timing")
+    ap.add_argument("--fp4", action="store_true", help="also time FP4 (fp4r) rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
@@ -426,6 +450,9 @@ def main() -> int:
         if not args.no_wide:
             print("worst case: every block exponent drawn independently (mostly slow tiles)")
             report["timing_wide_scales"] = time_layers(gen, batches=(1, 8), scales="wide")
+        if args.fp4:
+            print("FP4 rows (fp4r: e2m1, UE8M0 per 32; 4.25 bits per weight)")
+            report["timing_fp4r"] = time_layers(gen, batches=(1, 8, 32), tier="fp4r")
     report["nvcc_flags"] = os.environ.get("MOET_NVCC_FLAGS", "")
     write_result("kernels", report, machine(), args.out)
     return 0 if ok else 1

@@ -32,20 +32,20 @@ constexpr int TOK = 8;       // pairs per job: the mma's N
 constexpr int KCHUNK = 128;  // K per chunk: 4 k-tiles of 32, one 16-byte load per lane
 constexpr int WARPS = 4;     // split-K warps per CTA
 constexpr int THREADS = WARPS * 32;
-constexpr int CODE_CHUNK = 2048;          // code bytes per (64-row group, K chunk)
+constexpr int CODE_CHUNK = 2048;  // W2 code bytes per (64-row group, K chunk); FP4: twice
 constexpr int SCALE_CHUNK = 264;  // scale bytes per (64-row group, K chunk): words, then flags
 constexpr int SLOW_FLAGS = 256;   // byte rt of the 4 after the words: row tile rt is slow
 constexpr uint32_t LEVELS = 0x0401FFFCu;  // int8 levels by code: -4, -1, +1, +4
+// FP4 (e2m1: sign bit 3, magnitude index 0..7): int8 levels 2 * e2m1 by magnitude index
+constexpr uint32_t FP4_LO = 0x03020100u;  // 0, 1, 2, 3
+constexpr uint32_t FP4_HI = 0x0C080604u;  // 4, 6, 8, 12
 constexpr int ROUTE_THREADS = 256;
-// CTAs per SM the register budget is sized for: 3 (up to 170 registers, no spills on any target).
-// Measured on the H200 (docs/kernels.md): 4 CTAs with single-buffered chunks, and 4 CTAs with
-// chunks staged in shared memory by cp.async, were both slower.
-#ifndef W13_BLOCKS
-#define W13_BLOCKS 3
-#endif
-#ifndef W2_BLOCKS
-#define W2_BLOCKS 3
-#endif
+// CTAs per SM the register budget of the GEMM kernels is sized for: W2 3 (up to 170 registers,
+// no spills on any target; on the H200, 4 CTAs with single-buffered chunks, and 4 with chunks
+// staged in shared memory by cp.async, were both slower: docs/kernels.md); FP4 2 (twice the code
+// registers per chunk: at 3 its ping-pong spills).
+#define GEMM_BLOCKS 3
+#define GEMM_BLOCKS_FP4 2
 constexpr int MAX_EXPERTS = 1024;
 
 __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
@@ -102,23 +102,32 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
 // One K chunk's operands for one warp: codes and scale words of the 4 row tiles (rows g, g+8),
 // the slow-tile flags, the activation fragments of column g (its 32-block tig) and the chunk's
 // activation scales of columns 2*tig and 2*tig+1.
-struct Chunk {
-  uint4 cw[4];
+// CW: 16-byte code pieces per lane (W2: 1 per row tile; FP4: 2, the lane's 32 bytes).
+template <int CW>
+struct ChunkT {
+  static constexpr int kCodeBytes = CODE_CHUNK * CW / 4;  // per (64-row group, K chunk)
+  uint4 cw[CW];
   uint2 sw[4];
   uint32_t slow;
   uint4 b_lo, b_hi;
   float x0, x1;
 };
+using Chunk = ChunkT<4>;
+using ChunkFp4 = ChunkT<8>;
 
-__device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const uint8_t* scales,
-                                           int c, const int8_t* act_g, const float* as0,
-                                           const float* as1, int lane) {
+template <int CW>
+__device__ __forceinline__ void load_chunk(ChunkT<CW>& k, const uint8_t* codes,
+                                           const uint8_t* scales, int c, const int8_t* act_g,
+                                           const float* as0, const float* as1, int lane) {
   const int g = lane >> 2, tig = lane & 3;
+  constexpr int PER = CW / 4;  // pieces per lane and row tile
+  const uint8_t* cc = codes + (size_t)c * ChunkT<CW>::kCodeBytes;
 #pragma unroll
-  for (int rt = 0; rt < 4; ++rt) {
-    k.cw[rt] = ld_stream16(codes + (size_t)c * CODE_CHUNK + rt * 512 + lane * 16);
+  for (int q = 0; q < CW; ++q)
+    k.cw[q] = ld_stream16(cc + (q / PER) * 512 * PER + (lane * PER + q % PER) * 16);
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt)
     k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
-  }
   k.slow = ld_stream4(scales + (size_t)c * SCALE_CHUNK + SLOW_FLAGS);
   k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
   if (act_g) {
@@ -126,8 +135,10 @@ __device__ __forceinline__ void load_chunk(Chunk& k, const uint8_t* codes, const
     k.b_lo = p[0];
     k.b_hi = p[1];
   }
-  k.x0 = as0 ? as0[c] : 0.f;
-  k.x1 = as1 ? as1[c] : 0.f;
+  // FP4 levels are 2 * e2m1: their half scale goes with the activation scale (exact)
+  constexpr float HALF = CW == 8 ? 0.5f : 1.f;
+  k.x0 = as0 ? HALF * as0[c] : 0.f;
+  k.x1 = as1 ? HALF * as1[c] : 0.f;
 }
 
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
@@ -206,9 +217,84 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int 
   }
 }
 
+__device__ __forceinline__ uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
+  uint32_t d;  // selector nibble bit 3 set: the selected byte's sign, replicated
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+  return d;
+}
+
+// FP4 level tables of rows g and g+8: (lo, hi) bytes by magnitude index, all below 0x80.
+struct Fp4Tables {
+  uint32_t lo, hi, lo8, hi8;
+};
+
+// FP4 row tile rt, k-tile tt: the lane's words 2tt (row g) and 2tt+1 (row g+8) hold, per 16-bit
+// half, one A register's four e2m1 codes. The positive weights are PRMT(table, code): a code with
+// the sign bit set selects its magnitude in sign-replicate mode, which gives 0 (every table byte
+// is below 0x80); the negative ones are the same with the sign bits flipped. So W x = P x - N x,
+// two mma chains (pos, neg), and no per-byte negation.
+__device__ __forceinline__ void fp4_tile_mma(uint32_t (&pos)[4], uint32_t (&neg)[4],
+                                             const ChunkFp4& k, int rt, int tt,
+                                             const Fp4Tables& t) {
+  const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
+  const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
+  const uint4& q = k.cw[2 * rt + (tt >> 1)];
+  const uint32_t w = word_of(q, (tt & 1) * 2), w8 = word_of(q, (tt & 1) * 2 + 1);
+  const uint32_t n = w ^ 0x88888888u, n8 = w8 ^ 0x88888888u;
+  mma_s8(pos, prmt(t.lo, t.hi, w), prmt(t.lo8, t.hi8, w8), prmt(t.lo, t.hi, w >> 16),
+         prmt(t.lo8, t.hi8, w8 >> 16), b0, b1);
+  mma_s8(neg, prmt(t.lo, t.hi, n), prmt(t.lo8, t.hi8, n8), prmt(t.lo, t.hi, n >> 16),
+         prmt(t.lo8, t.hi8, n8 >> 16), b0, b1);
+}
+
+// f[rt][0..3] += (P - N) x scales: both sums are biased by MAGIC, so one FADD gives P - N.
+__device__ __forceinline__ void promote_fp4(float (&f)[4], const uint32_t (&pos)[4],
+                                            const uint32_t (&neg)[4], float s, float s8,
+                                            const ChunkFp4& k) {
+  float d[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(pos[i]) - __uint_as_float(neg[i]);
+  f[0] = fmaf(d[0], s * k.x0, f[0]);
+  f[1] = fmaf(d[1], s * k.x1, f[1]);
+  f[2] = fmaf(d[2], s8 * k.x0, f[2]);
+  f[3] = fmaf(d[3], s8 * k.x1, f[3]);
+}
+
+// The FP4 tiers' chunk: as for W2 (same scale words; the packer keeps fast tiles within a spread
+// of 3, so v <= 8 and 12 v <= 96 fits an int8), with P/N mma chains per row tile.
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, int tig) {
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt) {
+    const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
+    uint32_t pos[4], neg[4];
+    if (!((k.slow >> (8 * rt)) & 1u)) {
+      const uint32_t v = (wg >> (5 * tig)) & 31u, v8 = (wg8 >> (5 * tig)) & 31u;
+      const Fp4Tables t = {v * FP4_LO, v * FP4_HI, v8 * FP4_LO, v8 * FP4_HI};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pos[i] = neg[i] = MAGIC_BITS;
+#pragma unroll
+      for (int tt = 0; tt < 4; ++tt) fp4_tile_mma(pos, neg, k, rt, tt, t);
+      promote_fp4(f[rt], pos, neg, __uint_as_float(wg & 0x7F800000u),
+                  __uint_as_float(wg8 & 0x7F800000u), k);
+      continue;
+    }
+#pragma unroll 1
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t lo = tig == j ? FP4_LO : 0u, hi = tig == j ? FP4_HI : 0u;
+      const Fp4Tables t = {lo, hi, lo, hi};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pos[i] = neg[i] = MAGIC_BITS;
+#pragma unroll
+      for (int tt = 0; tt < 4; ++tt) fp4_tile_mma(pos, neg, k, rt, tt, t);
+      promote_fp4(f[rt], pos, neg, ue8m0(wg, j), ue8m0(wg8, j), k);
+    }
+  }
+}
+
 // One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
 // activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
 // The next chunk's loads are issued before the current chunk's math (two chunks in flight).
+template <class K>
 __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
                                        const uint8_t* scales, int nchunks, const int8_t* act_g,
                                        const float* as0, const float* as1, int warp, int lane) {
@@ -217,7 +303,7 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
-  Chunk a, b;  // ping-pong: no register copies between iterations
+  K a, b;  // ping-pong: no register copies between iterations
   load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
   for (int c = warp; c < nchunks; c += 2 * WARPS) {
@@ -435,10 +521,12 @@ MOET_ROUTE(moet_route_f32, float)
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
-extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
-    moet_w13(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
-             int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,
-             const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {
+template <class K>
+__device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
+                                    long long off_scales, int n_units, int nchunks,
+                                    const int8_t* xq, const float* xs, int hidden_p, int top_k,
+                                    const int* n_jobs, const int* job_slot, const int* job_pairs,
+                                    float* h, int inter_p) {
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_units;
@@ -451,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W13_BLOCKS)
     const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
     float f[4][4];
-    gemm64(f, row + off_codes + (size_t)u * nchunks * CODE_CHUNK,
+    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes,
            row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
     reduce_warps(f, red, warp, lane);
@@ -495,10 +583,12 @@ extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, 
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
-    moet_w2(const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,
-            int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,
-            const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {
+template <class K>
+__device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
+                                   long long off_scales, int n_groups, int nchunks,
+                                   const int8_t* aq, const float* as, int inter_p,
+                                   const int* n_jobs, const int* job_slot, const int* job_pairs,
+                                   float* y, int hidden) {
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int work = *n_jobs * n_groups;
@@ -511,7 +601,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
     float f[4][4];
-    gemm64(f, row + off_codes + (size_t)rg * nchunks * CODE_CHUNK,
+    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes,
            row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
            lane);
     reduce_warps(f, red, warp, lane);
@@ -528,6 +618,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS)
     __syncthreads();
   }
 }
+
+// Entry points: W2 rows and FP4 rows (fp4r, fp4x-mxfp4) share everything but the chunk type.
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                                   \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
+      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
+      const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {      \
+    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
+           n_jobs, job_slot, job_pairs, h, inter_p);                                              \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
+      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
+      const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {       \
+    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, n_jobs,    \
+          job_slot, job_pairs, y, hidden);                                                        \
+  }
+MOET_GEMMS(, Chunk, GEMM_BLOCKS)
+MOET_GEMMS(_fp4, ChunkFp4, GEMM_BLOCKS_FP4)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).

@@ -395,12 +395,17 @@ def test_kernel_mode_matches_an_independent_float64_loop() -> None:
     assert 1e-4 < err < 5e-2  # int8 activations: close to exact, but not equal
 
 
-def test_op_on_cpu_is_the_reference_over_native_rows() -> None:
+@pytest.mark.parametrize("tier", ["w2", "fp4r", "fp4x-mxfp4"])
+def test_op_on_cpu_is_the_reference_over_native_rows(tier) -> None:
     rng = np.random.default_rng(5)
     hidden, inter, n_experts, top_k, tokens = 96, 32, 6, 2, 5
-    sec = logical_sections(rng, n_experts, hidden, inter, 119, 125)
-    native = torch.from_numpy(NativeRowLayout(hidden, inter).pack(**sec))
-    logical_lay = RowLayout(hidden, inter)
+    logical_lay = RowLayout(hidden, inter, tier)
+    sec = {
+        name: rng.integers(*((119, 125) if "scales" in name else (0, 256)), size=(n_experts, *shape),
+                           dtype=np.uint8)
+        for name, (_, shape) in logical_lay.sections.items()
+    }  # fmt: skip
+    native = torch.from_numpy(NativeRowLayout(hidden, inter, tier).pack(**sec))
     logical = torch.from_numpy(logical_lay.pack(**sec))
     table = torch.arange(n_experts, dtype=torch.int32)
     table[2] = -1
@@ -409,7 +414,7 @@ def test_op_on_cpu_is_the_reference_over_native_rows() -> None:
     w = torch.rand(tokens, top_k)
     n_real = torch.tensor([tokens - 1], dtype=torch.int32)
     miss, routed = torch.zeros(1, dtype=torch.int32), torch.zeros(n_experts, dtype=torch.uint8)
-    got = w2_moe_slots(x, ids, w, native, table, hidden, inter, n_real, miss, routed)
+    got = w2_moe_slots(x, ids, w, native, table, hidden, inter, n_real, miss, routed, tier)
     miss2, routed2 = torch.zeros(1, dtype=torch.int32), torch.zeros(n_experts, dtype=torch.uint8)
     want = w2_moe_slots_reference(
         x, ids, w, logical, table, logical_lay, tokens - 1, miss2, routed2
@@ -417,7 +422,9 @@ def test_op_on_cpu_is_the_reference_over_native_rows() -> None:
     assert torch.equal(got, want) and torch.equal(miss, miss2) and torch.equal(routed, routed2)
     assert int(miss) == int((ids[: tokens - 1] == 2).sum())
     with pytest.raises(ValueError, match="NativeRowLayout rows"):
-        w2_moe_slots(x, ids, w, logical[:, :100], table, hidden, inter, n_real, miss, routed)
+        w2_moe_slots(x, ids, w, logical[:, :100], table, hidden, inter, n_real, miss, routed, tier)
+    with pytest.raises(ValueError, match="has no kernels"):
+        w2_moe_slots(x, ids, w, native, table, hidden, inter, n_real, miss, routed, "fp4x-nvfp4")
 
 
 def test_custom_op_registration_and_fake() -> None:

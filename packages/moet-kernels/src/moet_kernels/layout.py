@@ -34,9 +34,28 @@ Two layouts of a W2 expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
   takes rows_p/64 * k_p/128 * 2048 code bytes and rows_p/64 * k_p/128 * 264 scale bytes;
   `slow_tile_fraction` counts the slow tiles of scale sections.
 
+- `NativeRowLayout(hidden, inter, "fp4r")` (or `"fp4x-mxfp4"`, the same bytes;
+  `NATIVE_FP4_LAYOUT_ID`): the FP4 kernels' variant of v2 for e2m1 codes with UE8M0 scales per
+  32. Rows, groups of 64 (the same w13 interleave), chunks of 128, padding and the (row, k) each
+  code stands for are v2's; only the packing of the codes and the fast spread differ. Per
+  (group, chunk):
+
+  - codes, 4096 bytes: 4 row tiles rt x 32 lanes x 32 bytes. Lane L = 4g + t holds 8
+    little-endian 32-bit words w = 2tt + (j % 2) (k-tile tt = 0..3, register j = 0..3): the e2m1
+    code (4 bits: bit 3 the sign, bits 0..2 the magnitude index) of register j, byte i (0..3)
+    sits at bit 16*(j//2) + 4i of word 2tt + (j%2) and stands for row 16rt + g + 8*(j%2) of the
+    group and k = 32t + 8tt + 4*(j//2) + i of the chunk, as in v2 (rows g and g + 8 now go to
+    separate words). So each logical byte (codes k and k + 1, k even) is one native byte, and
+    padded codes are 0 (e2m1 +0). A matrix of rows_p x k_p takes rows_p/64 * k_p/128 * 4096
+    code bytes.
+  - scales, 264 bytes: v2's format, except that a row-chunk is fast-eligible only with
+    max b_j - min b_j <= 3 (`FP4_FAST_SPREAD`; still min b_j >= 1): the kernels' int8 levels
+    are 2*e2m1 (up to 12) times 2**(b_j - b_min), which must stay <= 127 (12 * 8 = 96).
+
 `RowLayout(hidden, inter, tier)` also lays out the FP4 tiers' logical rows (`TIERS`: `fp4r`,
 `fp4r-refine`, `fp4x-nvfp4`, `fp4x-mxfp4`; docs/kernels.md, "FP4 tiers"), each with its own
-layout id (`FP4R_LAYOUT_ID`, ...); they have no kernel-native layout yet.
+layout id (`FP4R_LAYOUT_ID`, ...); `fp4r` and `fp4x-mxfp4` have the kernel-native layout above
+(`NATIVE_TIERS`), `fp4r-refine` and `fp4x-nvfp4` none yet.
 
 `LAYOUT_ID` enters moet-vllm's ABI string (`<format>+<layout>+<row sections>`), which keys every
 persistent cache (pack files). Bump an id whenever the byte layout it names changes.
@@ -52,16 +71,21 @@ import torch
 
 LAYOUT_ID = "logical-v0"
 NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v2"
+NATIVE_FP4_LAYOUT_ID = "mma-s8-m16k32-g64c128-e2m1-v1"
 
 __all__ = [
+    "FAST_SPREAD",
     "FP4R",
     "FP4R_LAYOUT_ID",
     "FP4R_REFINE",
     "FP4R_REFINE_LAYOUT_ID",
+    "FP4_FAST_SPREAD",
     "LAYOUT_ID",
     "MXFP4",
     "MXFP4_LAYOUT_ID",
+    "NATIVE_FP4_LAYOUT_ID",
     "NATIVE_LAYOUT_ID",
+    "NATIVE_TIERS",
     "NVFP4",
     "NVFP4_LAYOUT_ID",
     "NativeRowLayout",
@@ -311,7 +335,9 @@ CHUNK_K = 128  # K per 16-byte load of a lane: 4 blocks of 32, one per lane grou
 PAD_SCALE = 127  # UE8M0 1.0: padded rows stay finite (and fast)
 SCALE_WORDS_BYTES = 256  # per (group, chunk): 4 row tiles x 8 lane groups x 2 rows x 4 bytes
 SCALE_CHUNK_BYTES = 264  # ... then 4 slow-flag bytes (one per row tile) and 4 zero bytes
-FAST_SPREAD = 4  # a fast row-chunk's block scales lie within b_min .. b_min + 4
+FAST_SPREAD = 4  # W2: a fast row-chunk's block scales lie within b_min .. b_min + 4
+FP4_FAST_SPREAD = 3  # FP4: int8 levels 2*e2m1 (<= 12) times 2**spread stay <= 127 (12 * 8 = 96)
+CODE_FORMATS = ("w2", "e2m1")  # `Tier.codes` of the tiers with a native layout
 _LOG2_ONE_HOT = torch.tensor([max(f.bit_length() - 1, 0) for f in range(32)])  # 2**m -> m
 
 
@@ -340,31 +366,37 @@ def _padded_scales(scales: torch.Tensor, rows_p: int, k_p: int) -> torch.Tensor:
     return s
 
 
-def native_scale_words(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def native_scale_words(
+    scales: torch.Tensor, spread: int = FAST_SPREAD
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Block scales [E, rows, chunks, 4] (rows a multiple of 16) -> (words int64 [E, rows, chunks],
-    slow bool [E, rows / 16, chunks]): the v2 scale word of each row-chunk (module docstring)."""
+    slow bool [E, rows / 16, chunks]): the v2 scale word of each row-chunk (module docstring),
+    fast-eligible with min b_j >= 1 and max b_j - min b_j <= `spread` (`FAST_SPREAD` for W2,
+    `FP4_FAST_SPREAD` for the FP4 tiers)."""
+    if not 0 <= spread <= 4:  # one-hot multipliers up to 16 fit the 5-bit fields
+        raise ValueError(f"a fast spread of {spread} does not fit the scale word (0..4)")
     b = scales.to(torch.int64)
     b_min, b_max = b.amin(dim=-1), b.amax(dim=-1)
-    eligible = (b_min >= 1) & (b_max - b_min <= FAST_SPREAD)
+    eligible = (b_min >= 1) & (b_max - b_min <= spread)
     e, rows, cc = eligible.shape
     slow = ~eligible.view(e, rows // TILE_ROWS, TILE_ROWS, cc).all(dim=2)
     fields = 5 * torch.arange(4, device=b.device)
-    shift = (b - b_min.unsqueeze(-1)).clamp(0, FAST_SPREAD)  # only read where eligible
+    shift = (b - b_min.unsqueeze(-1)).clamp(0, spread)  # only read where eligible
     fast = (b_min << 23) | (torch.ones_like(b) << (shift + fields)).sum(dim=-1)
     raw = (b << (8 * torch.arange(4, device=b.device))).sum(dim=-1)
     slow_rows = slow.repeat_interleave(TILE_ROWS, dim=1)
     return torch.where(slow_rows, raw, fast), slow
 
 
-def native_matrix(codes: torch.Tensor, scales: torch.Tensor, rows_p: int, k_p: int):
-    """Logical codes uint8 [E, N, K/4] and scales [E, N, K/32] (N <= rows_p, K <= k_p, rows_p a
-    multiple of 64 and k_p of 128) -> native (codes [E, rows_p*k_p/4],
-    scales [E, rows_p/64 * k_p/128 * 264])."""
+def _check_code_format(code_format: str) -> None:
+    if code_format not in CODE_FORMATS:
+        raise ValueError(f"unknown code format {code_format!r}; known: {', '.join(CODE_FORMATS)}")
+
+
+def _native_w2_codes(codes: torch.Tensor, rows_p: int, k_p: int) -> torch.Tensor:
+    """Logical 2-bit codes uint8 [E, N, K/4] -> native v2 codes [E, rows_p*k_p/4]."""
     e, n, k = codes.shape[0], codes.shape[1], codes.shape[2] * 4
-    if bool((scales == 255).any()):
-        raise ValueError("a UE8M0 scale of 255 (NaN) cannot be packed for the kernels")
-    dev = codes.device
-    c = torch.zeros(e, rows_p, k_p, dtype=torch.uint8, device=dev)
+    c = torch.zeros(e, rows_p, k_p, dtype=torch.uint8, device=codes.device)
     c[:, :n, :k] = _unpack_codes(codes)
     rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
     # rows: rg, rt, jl, g (row = 16 rt + 8 jl + g); k: cc, t, tt, jh, ih, il (k = 32 t + 8 tt
@@ -377,9 +409,49 @@ def native_matrix(codes: torch.Tensor, scales: torch.Tensor, rows_p: int, k_p: i
         | c[:, :, :, 1, ..., 1] << 6
     )
     # byte dims: e, rg, rt, g, cc, t, tt, jh, ih -> e, rg, cc, rt, g, t, tt, jh, ih
-    native_c = byte.permute(0, 1, 4, 2, 3, 5, 6, 7, 8).reshape(e, -1)
+    return byte.permute(0, 1, 4, 2, 3, 5, 6, 7, 8).reshape(e, -1)
+
+
+def _native_e2m1_codes(codes: torch.Tensor, rows_p: int, k_p: int) -> torch.Tensor:
+    """Logical e2m1 nibbles uint8 [E, N, K/2] (low nibble = even k) -> native FP4 codes
+    [E, rows_p*k_p/2]. The code of k (i = 2 ih + il) sits at bit 16 jh + 4 i of its word, i.e. in
+    byte 2 jh + ih of the word, nibble il: each logical byte moves whole."""
+    e, n, kh = codes.shape
+    c = torch.zeros(e, rows_p, k_p // 2, dtype=torch.uint8, device=codes.device)
+    c[:, :n, :kh] = codes
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    # rows: rg, rt, jl, g (row = 16 rt + 8 jl + g); bytes: cc, t, tt, jh, ih (k / 2 = 16 t + 4 tt
+    # + 2 jh + ih within the chunk) -> e, rg, cc, rt, g, t (lane 4g + t), tt, jl (word 2tt + jl),
+    # jh, ih (byte 2 jh + ih of the word)
+    c = c.view(e, rg, 4, 2, 8, cc, 4, 4, 2, 2)
+    return c.permute(0, 1, 5, 2, 4, 6, 7, 3, 8, 9).reshape(e, -1)
+
+
+def native_matrix(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    rows_p: int,
+    k_p: int,
+    *,
+    code_format: str = "w2",
+    spread: int = FAST_SPREAD,
+):
+    """Logical codes uint8 [E, N, K/4] (`code_format` "w2") or [E, N, K/2] ("e2m1") and scales
+    [E, N, K/32] (N <= rows_p, K <= k_p, rows_p a multiple of 64 and k_p of 128) -> native
+    (codes [E, rows_p*k_p/4] or [E, rows_p*k_p/2], scales [E, rows_p/64 * k_p/128 * 264]), fast
+    row-chunks within `spread` (`native_scale_words`)."""
+    _check_code_format(code_format)
+    e = codes.shape[0]
+    if bool((scales == 255).any()):
+        raise ValueError("a UE8M0 scale of 255 (NaN) cannot be packed for the kernels")
+    dev = codes.device
+    if code_format == "w2":
+        native_c = _native_w2_codes(codes, rows_p, k_p)
+    else:
+        native_c = _native_e2m1_codes(codes, rows_p, k_p)
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
     s = _padded_scales(scales, rows_p, k_p).view(e, rows_p, cc, 4)
-    words, slow = native_scale_words(s)
+    words, slow = native_scale_words(s, spread)
     # words: e, rg, rt, jl, g, cc -> e, rg, cc, rt, g, jl; 4 little-endian bytes each
     words = words.view(e, rg, 4, 2, 8, cc).permute(0, 1, 5, 2, 4, 3)
     shifts = 8 * torch.arange(4, device=dev)
@@ -392,10 +464,7 @@ def native_matrix(codes: torch.Tensor, scales: torch.Tensor, rows_p: int, k_p: i
     return native_c, native_s
 
 
-def logical_matrix(
-    native_c: torch.Tensor, native_s: torch.Tensor, n: int, k: int, rows_p: int, k_p: int
-):
-    """The inverse of `native_matrix`: -> logical (codes [E, n, k/4], scales [E, n, k/32])."""
+def _logical_w2_codes(native_c: torch.Tensor, n: int, k: int, rows_p: int, k_p: int):
     e = native_c.shape[0]
     rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
     # native dims e, rg, cc, rt, g, t, tt, jh, ih -> e, rg, rt, g, cc, t, tt, jh, ih
@@ -408,6 +477,36 @@ def logical_matrix(
         dim=3,
     )  # e, rg, rt, jl, g, cc, t, tt, jh, ih, il
     c = fields.reshape(e, rows_p, k_p)[:, :n, :k]
+    return _repack_codes(c)
+
+
+def _logical_e2m1_codes(native_c: torch.Tensor, n: int, k: int, rows_p: int, k_p: int):
+    e = native_c.shape[0]
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    # native dims e, rg, cc, rt, g, t, tt, jl, jh, ih -> e, rg, rt, jl, g, cc, t, tt, jh, ih
+    c = native_c.reshape(e, rg, cc, 4, 8, 4, 4, 2, 2, 2).permute(0, 1, 3, 7, 4, 2, 5, 6, 8, 9)
+    return c.reshape(e, rows_p, k_p // 2)[:, :n, : k // 2].contiguous()
+
+
+def logical_matrix(
+    native_c: torch.Tensor,
+    native_s: torch.Tensor,
+    n: int,
+    k: int,
+    rows_p: int,
+    k_p: int,
+    *,
+    code_format: str = "w2",
+):
+    """The inverse of `native_matrix`: -> logical (codes [E, n, k/4] or, "e2m1", [E, n, k/2],
+    scales [E, n, k/32]). The scale words decode alike whatever the fast spread was."""
+    _check_code_format(code_format)
+    e = native_c.shape[0]
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    if code_format == "w2":
+        codes = _logical_w2_codes(native_c, n, k, rows_p, k_p)
+    else:
+        codes = _logical_e2m1_codes(native_c, n, k, rows_p, k_p)
     chunk = native_s.reshape(e, rg, cc, SCALE_CHUNK_BYTES)
     shifts = 8 * torch.arange(4, device=native_s.device)
     words = chunk[..., :SCALE_WORDS_BYTES].reshape(e, rg, cc, 4, 8, 2, 4).to(torch.int64)
@@ -419,28 +518,54 @@ def logical_matrix(
     fast = b_min + _LOG2_ONE_HOT.to(words.device)[one_hot]
     s = torch.where(slow[..., None, None, None], raw, fast)  # e, rg, cc, rt, g, jl, j
     s = s.permute(0, 1, 3, 5, 4, 2, 6).reshape(e, rows_p, k_p // 32)[:, :n, : k // 32]
-    return _repack_codes(c), s.to(torch.uint8).contiguous()
+    return codes, s.to(torch.uint8).contiguous()
 
 
 def slow_tile_fraction(native_scales) -> float:
     """The fraction of slow (row tile, chunk) pairs in native scale sections (numpy or torch,
-    uint8 [..., groups * chunks * 264], e.g. one `NativeRowLayout` scale section or several)."""
+    uint8 [..., groups * chunks * 264], e.g. one `NativeRowLayout` scale section or several;
+    W2 and FP4 rows alike)."""
     s = torch.as_tensor(native_scales).reshape(-1, SCALE_CHUNK_BYTES)
     flags = s[:, SCALE_WORDS_BYTES : SCALE_WORDS_BYTES + 4]
     return int(flags.bool().sum()) / flags.numel()
 
 
+NATIVE_TIERS = (W2, FP4R, MXFP4)  # the tiers with a kernel-native layout
+
+
+def _native_tier(tier: str | Tier) -> Tier:
+    t = TIERS.get(tier) if isinstance(tier, str) else tier
+    if t not in NATIVE_TIERS:
+        name = tier.name if isinstance(tier, Tier) else tier
+        supported = ", ".join(repr(n.name) for n in NATIVE_TIERS)
+        raise ValueError(
+            f"tier {name!r} has no kernel-native layout; NativeRowLayout supports the tiers "
+            f"{supported}"
+        )
+    return TIERS[t.name]
+
+
 class NativeRowLayout:
-    """Expert rows in the kernel-native layout (module docstring); the same interface as
-    `RowLayout`: `pack` takes the logical sections [E, ...] and `views` returns them, unpacked,
-    from one native row (a copy, not a view); `slow_tile_fractions` tells how much of a row the
-    kernels read on the slow path. W2 only: the FP4 tiers have no native layout yet."""
+    """Expert rows in the kernel-native layout (module docstring) of one tier: "w2" (the default,
+    `NATIVE_LAYOUT_ID`), "fp4r" or "fp4x-mxfp4" (the same bytes, `NATIVE_FP4_LAYOUT_ID`; others
+    raise ValueError). The same interface as `RowLayout`: `pack` takes the tier's logical
+    sections [E, ...] (names and shapes as `RowLayout(hidden, inter, tier).sections`: codes
+    [N, K/4] for W2, e2m1 nibbles [N, K/2] for FP4; UE8M0 scales [N, K/32]) and `views` returns
+    them, unpacked, from one native row (a copy, not a view); `slow_tile_fractions` tells how much
+    of a row the kernels read on the slow path. `fast_spread` is the tier's fast-eligibility
+    spread limit (`FAST_SPREAD`, `FP4_FAST_SPREAD`)."""
 
     tier = W2
     layout_id = NATIVE_LAYOUT_ID
 
-    def __init__(self, hidden: int, inter: int):
-        RowLayout(hidden, inter)  # the same size checks
+    def __init__(self, hidden: int, inter: int, tier: str | Tier = "w2"):
+        self.tier = _native_tier(tier)
+        self.logical = RowLayout(hidden, inter, self.tier)  # the same size checks
+        w2 = self.tier is W2
+        self.layout_id = NATIVE_LAYOUT_ID if w2 else NATIVE_FP4_LAYOUT_ID
+        self.code_format = self.tier.codes  # "w2" or "e2m1"
+        self.fast_spread = FAST_SPREAD if w2 else FP4_FAST_SPREAD
+        codes_per_byte = 4 if w2 else 2
         self.hidden, self.inter = hidden, inter
         self.hidden_p, self.inter_p = _ceil(hidden, CHUNK_K), _ceil(inter, CHUNK_K)
         self.w13_rows = 2 * inter  # 32-row units of gate and up: a multiple of 64
@@ -448,9 +573,9 @@ class NativeRowLayout:
         chunks13 = self.w13_rows // GROUP_ROWS * self.hidden_p // CHUNK_K  # (group, chunk) pairs
         chunks2 = self.w2_rows // GROUP_ROWS * self.inter_p // CHUNK_K
         sizes = {
-            "w13_codes": self.w13_rows * self.hidden_p // 4,
+            "w13_codes": self.w13_rows * self.hidden_p // codes_per_byte,
             "w13_scales": chunks13 * SCALE_CHUNK_BYTES,
-            "w2_codes": self.w2_rows * self.inter_p // 4,
+            "w2_codes": self.w2_rows * self.inter_p // codes_per_byte,
             "w2_scales": chunks2 * SCALE_CHUNK_BYTES,
         }
         self.offsets: dict[str, int] = {}
@@ -464,21 +589,30 @@ class NativeRowLayout:
         q = torch.arange(GROUP_ROWS).view(1, -1)
         # native w13 row 64u + q: gate row 32u + q for q < 32, else up row inter + 32u + q - 32
         self._w13_rows = torch.where(q < 32, 32 * u + q, inter + 32 * u + q - 32).flatten()
+        self._w13_inverse = torch.argsort(self._w13_rows)
 
     @property
     def spec(self) -> str:
-        """The row-section part of the ABI string."""
+        """The row-section part of the ABI string (starting with `layout_id`)."""
         parts = [f"{n}@{self.offsets[n]}:{self.sizes[n]}" for n in SECTIONS]
-        return f"{NATIVE_LAYOUT_ID}-a{SECTION_ALIGN}[{','.join(parts)}]"
+        return f"{self.layout_id}-a{SECTION_ALIGN}[{','.join(parts)}]"
 
     def pack(self, **arrays) -> np.ndarray:
-        """Four logical uint8 arrays [E, *shape] (names as SECTIONS) -> rows uint8 [E, row_bytes]:
-        numpy in, numpy out; torch tensors in, a tensor out on their device (pack on the GPU)."""
-        logical = RowLayout(self.hidden, self.inter)
+        """The tier's four logical uint8 arrays [E, *shape] (names and shapes as
+        `RowLayout(hidden, inter, tier).sections`) -> rows uint8 [E, row_bytes]: numpy in, numpy
+        out; torch tensors in, a tensor out on their device (pack on the GPU). A UE8M0 scale of
+        255 is refused."""
+        sections = self.logical.sections
+        missing = set(sections) - set(arrays)
+        extra = set(arrays) - set(sections) if self.tier is not W2 else ()  # W2: as before
+        if missing or extra:
+            raise ValueError(
+                f"{self.tier.name} rows take the sections {list(sections)}, got {list(arrays)}"
+            )
         t = {}
         n_experts = next(iter(arrays.values())).shape[0]
         as_numpy = not all(isinstance(a, torch.Tensor) for a in arrays.values())
-        for name, (_, shape) in logical.sections.items():
+        for name, (_, shape) in sections.items():
             a = torch.as_tensor(arrays[name])
             if a.dtype != torch.uint8 or tuple(a.shape) != (n_experts, *shape):
                 raise ValueError(
@@ -486,10 +620,11 @@ class NativeRowLayout:
                 )
             t[name] = a
         perm = self._w13_rows.to(t["w13_codes"].device)
+        fmt = {"code_format": self.code_format, "spread": self.fast_spread}
         w13 = native_matrix(
-            t["w13_codes"][:, perm], t["w13_scales"][:, perm], self.w13_rows, self.hidden_p
+            t["w13_codes"][:, perm], t["w13_scales"][:, perm], self.w13_rows, self.hidden_p, **fmt
         )
-        w2 = native_matrix(t["w2_codes"], t["w2_scales"], self.w2_rows, self.inter_p)
+        w2 = native_matrix(t["w2_codes"], t["w2_scales"], self.w2_rows, self.inter_p, **fmt)
         rows = torch.zeros(n_experts, self.row_bytes, dtype=torch.uint8, device=perm.device)
         for name, data in zip(SECTIONS, (*w13, *w2)):
             rows[:, self.offsets[name] : self.offsets[name] + data.shape[1]] = data
@@ -506,21 +641,30 @@ class NativeRowLayout:
         }
 
     def views(self, row):
-        """One native row (numpy or torch, 1-D, >= row_bytes) -> the logical sections."""
+        """One native row (numpy or torch, 1-D, >= row_bytes) -> the tier's logical sections
+        (numpy for numpy, else tensors on the row's device)."""
         as_numpy = isinstance(row, np.ndarray)
-        r = torch.as_tensor(row).cpu().view(1, -1)
+        r = torch.as_tensor(row).view(1, -1)
 
         def sec(name):
             return r[:, self.offsets[name] : self.offsets[name] + self.sizes[name]]
 
-        h, i = self.hidden, self.inter
+        h, i, fmt = self.hidden, self.inter, self.code_format
         c13, s13 = logical_matrix(
-            sec("w13_codes"), sec("w13_scales"), 2 * i, h, self.w13_rows, self.hidden_p
+            sec("w13_codes"),
+            sec("w13_scales"),
+            2 * i,
+            h,
+            self.w13_rows,
+            self.hidden_p,
+            code_format=fmt,
         )
-        inverse = torch.argsort(self._w13_rows)
+        inverse = self._w13_inverse.to(r.device)
         c13, s13 = c13[:, inverse], s13[:, inverse]
-        c2, s2 = logical_matrix(sec("w2_codes"), sec("w2_scales"), h, i, self.w2_rows, self.inter_p)
+        c2, s2 = logical_matrix(
+            sec("w2_codes"), sec("w2_scales"), h, i, self.w2_rows, self.inter_p, code_format=fmt
+        )
         out = {"w13_codes": c13[0], "w13_scales": s13[0], "w2_codes": c2[0], "w2_scales": s2[0]}
         if as_numpy:
             return {k: v.numpy() for k, v in out.items()}
-        return {k: v.to(torch.as_tensor(row).device) for k, v in out.items()}
+        return out

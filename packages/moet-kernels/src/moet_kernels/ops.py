@@ -1,8 +1,9 @@
 """The W2 MoE op: the GPU kernels where they run, the torch reference elsewhere.
 
 `w2_moe_slots(x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens,
-miss_count, routed)` has the semantics of `reference.w2_moe_slots_reference` (tiered residency,
-design.md) over a pool of expert rows in `layout.NativeRowLayout(hidden, inter)`. On a CUDA device
+miss_count, routed, tier="w2")` has the semantics of `reference.w2_moe_slots_reference` (tiered
+residency, design.md) over a pool of expert rows in `layout.NativeRowLayout(hidden, inter, tier)`:
+W2 rows, or FP4 rows of the `fp4r` / `fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32). On a CUDA device
 with the kernels it runs five launches (csrc/w2_moe.cu): route (job lists, miss counter, routed
 mask, int8 activations), w13 (SiLU(gate) * up in float32), requant (the down projection's int8
 input), w2, combine; all buffers have fixed addresses per batch shape, so
@@ -54,13 +55,16 @@ _workspaces: dict[tuple, _Workspace] = {}  # per (device, batch shape): fixed ad
 _noted_fallback = False
 
 
+GEMM_KERNELS = {"w2": "", "fp4r": "_fp4", "fp4x-mxfp4": "_fp4"}  # tier -> kernel name suffix
+
+
 @functools.cache
-def native_layout(hidden: int, inter: int) -> NativeRowLayout:
-    return NativeRowLayout(hidden, inter)
+def native_layout(hidden: int, inter: int, tier: str = "w2") -> NativeRowLayout:
+    return NativeRowLayout(hidden, inter, tier)
 
 
 def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
-    key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts)
+    key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts)  # the same buffers for any tier
     ws = _workspaces.get(key)
     if ws is None:
         if torch.cuda.is_current_stream_capturing():
@@ -132,9 +136,10 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     )  # fmt: skip
     slot_bytes = pool.stride(0)
     units = lay.inter // 32
+    gemm = GEMM_KERNELS[lay.tier.name]
     mod.launch(
-        "moet_w13",
-        mod.persistent_grid("moet_w13", 128, ws.max_jobs * units),
+        f"moet_w13{gemm}",
+        mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
@@ -151,8 +156,8 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     )  # fmt: skip
     groups = lay.w2_rows // 64
     mod.launch(
-        "moet_w2",
-        mod.persistent_grid("moet_w2", 128, ws.max_jobs * groups),
+        f"moet_w2{gemm}",
+        mod.persistent_grid(f"moet_w2{gemm}", 128, ws.max_jobs * groups),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
          i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
@@ -208,10 +213,13 @@ def w2_moe_slots(
     n_real_tokens: torch.Tensor,
     miss_count: torch.Tensor,
     routed: torch.Tensor,
+    tier: str = "w2",
 ) -> torch.Tensor:
     """The routed-experts output [T, H] in x's dtype (module docstring)."""
     global _noted_fallback
-    lay = native_layout(hidden, inter)
+    if tier not in GEMM_KERNELS:
+        raise ValueError(f"tier {tier!r} has no kernels; kernel tiers: {', '.join(GEMM_KERNELS)}")
+    lay = native_layout(hidden, inter, tier)
     _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed)
     if x.is_cuda:
         ok, why = _available(x.device.index)
@@ -232,8 +240,9 @@ def w2_moe_slots(
 
 @w2_moe_slots.register_fake
 def _(
-    x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens, miss_count, routed
-):
+    x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens, miss_count, routed,
+    tier="w2",
+):  # fmt: skip
     return x.new_empty(x.shape[0], hidden)
 
 
