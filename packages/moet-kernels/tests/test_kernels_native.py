@@ -47,8 +47,9 @@ def spec_word(b: list[int], slow: bool) -> int:
     return (m << 23) | sum((2 ** (bj - m)) << (5 * j) for j, bj in enumerate(b))
 
 
-def spec_scale_section(scales: np.ndarray, rows_p: int, k_p: int) -> np.ndarray:
-    """Logical scales [N, K/32], rows in native order -> the native scale section (uint8)."""
+def spec_scale_section(scales: np.ndarray, rows_p: int, k_p: int, spread: int = 4) -> np.ndarray:
+    """Logical scales [N, K/32], rows in native order -> the native scale section (uint8); a
+    row-chunk is fast-eligible with min >= 1 and max - min <= spread (W2 4, FP4 3)."""
     n, kb = scales.shape
     full = np.full((rows_p, k_p // 32), 127, dtype=np.int64)  # padded rows: 127
     for r in range(n):
@@ -63,7 +64,7 @@ def spec_scale_section(scales: np.ndarray, rows_p: int, k_p: int) -> np.ndarray:
             for rt in range(4):
                 rows = [64 * rg + 16 * rt + q for q in range(16)]
                 bs = {r: [int(full[r, 4 * cc + j]) for j in range(4)] for r in rows}
-                slow = any(min(b) < 1 or max(b) - min(b) > 4 for b in bs.values())
+                slow = any(min(b) < 1 or max(b) - min(b) > spread for b in bs.values())
                 flags.append(int(slow))
                 for r in rows:
                     words[r] = spec_word(bs[r], slow)

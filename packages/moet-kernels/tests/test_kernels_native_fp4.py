@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_kernels_native import native_section, spec_scale_section, w13_native_rows
 
 from moet_kernels.layout import (
     FAST_SPREAD,
@@ -70,54 +71,6 @@ def spec_code_section(codes: np.ndarray, rows_p: int, k_p: int) -> np.ndarray:
                     for w in words:
                         out += w.to_bytes(4, "little")
     return np.frombuffer(bytes(out), dtype=np.uint8)
-
-
-def spec_word(b: list[int], slow: bool) -> int:
-    if slow:
-        return b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
-    m = min(b)
-    return (m << 23) | sum((2 ** (bj - m)) << (5 * j) for j, bj in enumerate(b))
-
-
-def spec_scale_section(scales: np.ndarray, rows_p: int, k_p: int, spread: int) -> np.ndarray:
-    """Logical scales [N, K/32], rows in native order -> the native scale section (v2's format,
-    fast-eligible with min >= 1 and max - min <= spread)."""
-    n, kb = scales.shape
-    full = np.full((rows_p, k_p // 32), 127, dtype=np.int64)  # padded rows: 127
-    for r in range(n):
-        for c in range(k_p // 128):
-            real = [int(scales[r, j]) for j in range(4 * c, 4 * c + 4) if j < kb]
-            for j in range(4 * c, 4 * c + 4):  # padded blocks: the min of the real ones
-                full[r, j] = scales[r, j] if j < kb else (min(real) if real else 127)
-    out = bytearray()
-    for rg in range(rows_p // 64):
-        for cc in range(k_p // 128):
-            words, flags = {}, []
-            for rt in range(4):
-                rows = [64 * rg + 16 * rt + q for q in range(16)]
-                bs = {r: [int(full[r, 4 * cc + j]) for j in range(4)] for r in rows}
-                slow = any(min(b) < 1 or max(b) - min(b) > spread for b in bs.values())
-                flags.append(int(slow))
-                for r in rows:
-                    words[r] = spec_word(bs[r], slow)
-            for rt in range(4):
-                for g in range(8):
-                    for r in (64 * rg + 16 * rt + g, 64 * rg + 16 * rt + g + 8):
-                        out += words[r].to_bytes(4, "little")
-            out += bytes(flags) + bytes(4)
-    return np.frombuffer(bytes(out), dtype=np.uint8)
-
-
-def w13_native_rows(a: np.ndarray, inter: int) -> np.ndarray:
-    """w13 rows (gate then up) in native order: per 64-row group 32 gate rows, then 32 up rows."""
-    order = []
-    for u in range(inter // 32):
-        order += [32 * u + q for q in range(32)] + [inter + 32 * u + q for q in range(32)]
-    return a[order]
-
-
-def native_section(lay: NativeRowLayout, row, name: str):
-    return row[lay.offsets[name] : lay.offsets[name] + lay.sizes[name]]
 
 
 def spec_native(lay: NativeRowLayout, sec: dict, e: int, spread: int = 3) -> dict:
