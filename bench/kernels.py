@@ -5,7 +5,8 @@
 Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
 cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
 
-- validate: every case draws fresh random weights, activations and routings; the op's output is
+- validate (W2 rows, and FP4 rows of the fp4r and fp4x-mxfp4 tiers): every case draws fresh
+  random weights, activations and routings; the op's output is
   compared with the kernel-mode reference (float64 GEMMs over the kernels' int8 activations) and
   the exact reference; buffers are poisoned before each run; a rerun must be byte-identical; a
   CUDA graph replay must equal the eager run; with random slot tables the miss counter and the
@@ -13,7 +14,7 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
 - time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
   size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
   shaped like trained weights' (`SCALES`; again at batch 1 and 8 with "wide" scales, the slow
-  path's worst case); effective
+  path's worst case; and at batch 1, 8, 32 with fp4r rows); effective
   bandwidth on routed expert bytes as a share of the device-to-device copy bandwidth measured in
   the same run; per-kernel times from the profiler; vLLM 0.24's kernels from design.md, marked
   "not same run" (bench/h200/vllm_moe.py times them in the same device run where vLLM is staged:
@@ -427,7 +428,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-scales timing")
-    ap.add_argument("--fp4", action="store_true", help="also time FP4 (fp4r) rows")
+    ap.add_argument("--no-fp4", action="store_true", help="skip the FP4 (fp4r) timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
@@ -450,7 +451,7 @@ def main() -> int:
         if not args.no_wide:
             print("worst case: every block exponent drawn independently (mostly slow tiles)")
             report["timing_wide_scales"] = time_layers(gen, batches=(1, 8), scales="wide")
-        if args.fp4:
+        if not args.no_fp4:
             print("FP4 rows (fp4r: e2m1, UE8M0 per 32; 4.25 bits per weight)")
             report["timing_fp4r"] = time_layers(gen, batches=(1, 8, 32), tier="fp4r")
     report["nvcc_flags"] = os.environ.get("MOET_NVCC_FLAGS", "")
