@@ -399,13 +399,16 @@ def _moe(
     x, topk_ids, topk_weights, inter, experts, skip=None, mode="exact", tier="w2"
 ) -> torch.Tensor:
     """The MoE over experts given by `experts(e)` -> w13's then w2's parts of the tier (W2:
-    (w13 codes, w13 scales, w2 codes, w2 scales)); experts for which `skip(e)` is true
-    contribute zero. Each expert's routed tokens
-    go through one matmul in token order, and the top-k sum is in slot order, so the result for a
-    token does not depend on which other experts were skipped: a replay after a fetch is
-    bit-identical to a forward that never missed."""
-    tier = tier_of(tier)
-    n_parts = len(tier.weight_parts)
+    (w13 codes, w13 scales, w2 codes, w2 scales)); `tier` is one tier, or a function of the expert
+    id giving each expert's tier; experts for which `skip(e)` is true contribute zero. Each
+    expert's routed tokens go through one matmul in token order, and the top-k sum is in slot
+    order, so the result for a token does not depend on which other experts were skipped: a
+    replay after a fetch is bit-identical to a forward that never missed."""
+    one = None if callable(tier) else tier_of(tier)
+
+    def tier_at(e):
+        return one if one is not None else tier_of(tier(e))
+
     t, h = x.shape
     xf = x.to(torch.float32)
     if mode == "kernel":
@@ -416,16 +419,17 @@ def _moe(
         if skip is not None and skip(expert):
             continue
         tok, slot = torch.nonzero(ids == expert, as_tuple=True)
+        tier_e = tier_at(expert)
         parts = tuple(experts(expert))
-        p13, p2 = parts[:n_parts], parts[n_parts:]
+        p13, p2 = parts[: len(tier_e.weight_parts)], parts[len(tier_e.weight_parts) :]
         if mode == "kernel":
-            gate_up = (xk[tok] @ _tier_kernel_weights(tier, p13).T).to(torch.float32)
+            gate_up = (xk[tok] @ _tier_kernel_weights(tier_e, p13).T).to(torch.float32)
             act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             ak = _dequant_activations(*quantize_activations(act))
-            slot_out[tok, slot] = (ak @ _tier_kernel_weights(tier, p2).T).to(torch.float32)
+            slot_out[tok, slot] = (ak @ _tier_kernel_weights(tier_e, p2).T).to(torch.float32)
             continue
-        w13_e = _tier_exact_weights(tier, p13)  # [2I, H]
-        w2_e = _tier_exact_weights(tier, p2)  # [H, I]
+        w13_e = _tier_exact_weights(tier_e, p13)  # [2I, H]
+        w2_e = _tier_exact_weights(tier_e, p2)  # [H, I]
         gate_up = xf[tok] @ w13_e.T  # [n, 2I]
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         slot_out[tok, slot] = act @ w2_e.T
@@ -494,9 +498,7 @@ def w2_moe_slots_reference(
     elif base is not None:
         raise ValueError(f"base rows are for the refinement tier, not {tier.name}")
     ids = topk_ids.long()
-    real = ids[:n_real_tokens]
-    routed[real.unique()] = 1
-    miss_count += int((~resident[real]).sum())
+    _count_misses(ids, resident, n_real_tokens, miss_count, routed)
 
     def experts(e):
         v = layout.views(pool[int(slots[e])])
@@ -514,6 +516,85 @@ def w2_moe_slots_reference(
         mode=mode,
         tier=tier,
     )
+
+
+def tiered_moe_slots_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    tiers,
+    n_real_tokens: int,
+    miss_count: torch.Tensor,
+    routed: torch.Tensor,
+    mode: str = "exact",
+) -> torch.Tensor:
+    """`w2_moe_slots_reference` over several tiers at once (design.md, Residency: the FP4 tier
+    where an expert is there, else its W2 row, else a miss): `tiers` is a sequence of
+    (pool, slot_table, layout) in order of preference, e.g. [(fp4_pool, fp4_table, fp4_layout),
+    (w2_pool, w2_table, w2_layout)], all of the same hidden and intermediate sizes. Each routed
+    expert is computed from the first tier whose slot table holds it; a pair whose expert no tier
+    holds contributes zero, and over the first `n_real_tokens` rows counts in `miss_count` and
+    marks `routed`, as with one tier. Tiers whose rows need a base row (the refinement plane) are
+    refused: their choice is `w2_moe_slots_reference(..., base=)`."""
+    tiers = list(tiers)
+    if not tiers:
+        raise ValueError("tiers must hold at least one (pool, slot_table, layout)")
+    t, h = x.shape
+    first = tiers[0][2]
+    slots = []
+    for pool, table, layout in tiers:
+        tier = getattr(layout, "tier", W2)
+        if tier.base is not None:
+            raise ValueError(
+                f"{tier.name} rows need their {tier.base.name} row too: use "
+                "w2_moe_slots_reference(..., base=) for them"
+            )
+        if (layout.hidden, layout.inter) != (h, first.inter):
+            raise ValueError(
+                f"every tier must have hidden={h}, inter={first.inter}; {tier.name} rows have "
+                f"hidden={layout.hidden}, inter={layout.inter}"
+            )
+        _check_pool(pool, layout, f"{tier.name} pool")
+        if table.shape != tiers[0][1].shape:
+            raise ValueError(
+                f"slot tables must all be [E={tiers[0][1].shape[0]}], {tier.name}'s is "
+                f"{tuple(table.shape)}"
+            )
+        slots.append(table.long())
+    choice = torch.full_like(slots[0], -1)
+    for i in reversed(range(len(tiers))):  # the first tier holding an expert wins
+        choice = torch.where(slots[i] >= 0, i, choice)
+    ids = topk_ids.long()
+    _count_misses(ids, choice >= 0, n_real_tokens, miss_count, routed)
+
+    def experts(e):
+        i = int(choice[e])
+        pool, _, layout = tiers[i]
+        v = layout.views(pool[int(slots[i][e])])
+        return tuple(
+            v[f"{proj}_{part}"]
+            for proj in ("w13", "w2")
+            for part in getattr(layout, "tier", W2).weight_parts
+        )
+
+    return _moe(
+        x,
+        ids,
+        topk_weights,
+        first.inter,
+        experts,
+        skip=lambda e: choice[e] < 0,
+        mode=mode,
+        tier=lambda e: getattr(tiers[int(choice[e])][2], "tier", W2),
+    )
+
+
+def _count_misses(ids, resident, n_real_tokens: int, miss_count, routed) -> None:
+    """Marks every expert the real rows route to in `routed` and adds their pairs whose expert is
+    not resident to `miss_count` (padding rows never count)."""
+    real = ids[:n_real_tokens]
+    routed[real.unique()] = 1
+    miss_count += int((~resident[real]).sum())
 
 
 def _check_pool(pool: torch.Tensor, layout, what: str) -> None:
@@ -617,5 +698,6 @@ __all__ = [
     "w2_dequant",
     "w2_moe_reference",
     "quantize_activations",
+    "tiered_moe_slots_reference",
     "w2_moe_slots_reference",
 ]
