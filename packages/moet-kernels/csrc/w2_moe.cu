@@ -202,8 +202,7 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int 
 #pragma unroll
       for (int tt = 0; tt < 4; ++tt)
         tile_mma(acc, k, rt, tt, fast_table(wg, tig), fast_table(wg8, tig));
-      promote(f[rt], acc, __uint_as_float(wg & 0x7F800000u), __uint_as_float(wg8 & 0x7F800000u),
-              k);
+      promote(f[rt], acc, __uint_as_float(wg & 0x7F800000u), __uint_as_float(wg8 & 0x7F800000u), k);
       continue;
     }
 #pragma unroll 1
@@ -540,8 +539,8 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, l
     const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
     float f[4][4];
     gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes,
-           row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
-           lane);
+              row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+              lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
       // f[rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8, 16+g,
@@ -602,8 +601,8 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
     const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
     float f[4][4];
     gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes,
-           row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
-           lane);
+              row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+              lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
 #pragma unroll
@@ -620,20 +619,20 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
 }
 
 // Entry points: W2 rows and FP4 rows (fp4r, fp4x-mxfp4) share everything but the chunk type.
-#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                                   \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
-      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
-      const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {      \
-    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
-           n_jobs, job_slot, job_pairs, h, inter_p);                                              \
-  }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
-      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
-      const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {       \
-    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, n_jobs,    \
-          job_slot, job_pairs, y, hidden);                                                        \
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(              \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,    \
+      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,    \
+      const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
+    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k, \
+           n_jobs, job_slot, job_pairs, h, inter_p);                                           \
+  }                                                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(               \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,    \
+      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,               \
+      const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
+    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, n_jobs, \
+          job_slot, job_pairs, y, hidden);                                                     \
   }
 MOET_GEMMS(, Chunk, GEMM_BLOCKS)
 MOET_GEMMS(_fp4, ChunkFp4, GEMM_BLOCKS_FP4)
