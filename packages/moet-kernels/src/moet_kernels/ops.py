@@ -1,14 +1,14 @@
-"""The W2 MoE op: the GPU kernels where they run, the torch reference elsewhere.
+"""The MoE op: the GPU kernels where they run, the torch reference elsewhere.
 
 `w2_moe_slots(x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens,
 miss_count, routed, tier="w2")` has the semantics of `reference.w2_moe_slots_reference` (tiered
 residency, design.md) over a pool of expert rows in `layout.NativeRowLayout(hidden, inter, tier)`:
-W2 rows, or FP4 rows of the `fp4r` / `fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32). On a CUDA device
-with the kernels it runs five launches (csrc/w2_moe.cu): route (job lists, miss counter, routed
-mask, int8 activations), w13 (SiLU(gate) * up in float32), requant (the down projection's int8
-input), w2, combine; all buffers have fixed addresses per batch shape, so
-the op is CUDA-graph capturable once it has run eagerly for that shape (vLLM's warm-up does
-this). Elsewhere it runs the reference in `exact` mode and says so once.
+W2 rows, or FP4 rows of the `fp4r` / `fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32). On a
+CUDA device with the kernels it runs five launches (csrc/w2_moe.cu): route (job lists, miss
+counter, routed mask, int8 activations), w13 (SiLU(gate) * up in float32), requant (the down
+projection's int8 input), w2, combine; all buffers have fixed addresses per batch shape, so the
+op is CUDA-graph capturable once it has run eagerly for that shape (vLLM's warm-up does this).
+Elsewhere it runs the reference in `exact` mode and says so once.
 
 It is registered as the torch custom op `moet::w2_moe_slots` with a fake (meta) implementation.
 """
