@@ -320,22 +320,3 @@ def test_w2_tier_argument_is_the_default_byte_for_byte() -> None:
     assert default.spec == named.spec and named.tier is W2
     # spread 4 stays fast for W2 (scales 1..5)
     assert default.slow_tile_fractions(default.pack(**sec)[0]) == {"w13": 0.0, "w2": 0.0}
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("tier", ["w2", "fp4r"])
-def test_fp4_pack_and_views_on_cuda(tier) -> None:
-    hidden, inter = 160, 96
-    lay = NativeRowLayout(hidden, inter, tier)
-    logical = RowLayout(hidden, inter, tier)
-    rng = np.random.default_rng(9)
-    sec = {
-        n: rng.integers(*((0, 255) if "scales" in n else (0, 256)), (3, *s), dtype=np.uint8)
-        for n, (_, s) in logical.sections.items()
-    }
-    rows = lay.pack(**sec)
-    rows_cuda = lay.pack(**{k: torch.from_numpy(v).cuda() for k, v in sec.items()})
-    assert rows_cuda.is_cuda and np.array_equal(rows_cuda.cpu().numpy(), rows)
-    back = lay.views(rows_cuda[1])
-    for name, a in sec.items():
-        assert back[name].is_cuda and torch.equal(back[name].cpu(), torch.from_numpy(a[1]))
