@@ -119,14 +119,12 @@ class Layer:
         def codes(*shape):
             return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
 
-        kind = scales
-
-        def scales(*shape):
-            return random_scales(shape, kind, gen)
+        def draw_scales(*shape):
+            return random_scales(shape, scales, gen)
 
         e, h, i = n_experts, hidden, inter
-        self.c13, self.s13 = codes(e, 2 * i, h // per_byte), scales(e, 2 * i, h // 32)
-        self.c2, self.s2 = codes(e, h, i // per_byte), scales(e, h, i // 32)
+        self.c13, self.s13 = codes(e, 2 * i, h // per_byte), draw_scales(e, 2 * i, h // 32)
+        self.c2, self.s2 = codes(e, h, i // per_byte), draw_scales(e, h, i // 32)
         self.lay = NativeRowLayout(hidden, inter, tier)
         rows = torch.cat(
             [
