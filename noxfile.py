@@ -201,6 +201,7 @@ def ci(session: nox.Session) -> None:
         "residency_serving",
         "residency_gpu",
         "kernels",
+        "kernel_activations",
     ],
 )
 def bench(session: nox.Session, what: str) -> None:
@@ -218,7 +219,9 @@ def bench(session: nox.Session, what: str) -> None:
     --inter 128 --experts 16 --layers 2`): bit-identity, replay % and step time vs pool coverage,
     fetch vs pinned H2D (docs/residency.md);
     kernels: needs a CUDA GPU (bench/h200/kernels.sh on the H200): validates the W2 MoE op against
-    float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md).
+    float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md);
+    kernel_activations: how far int8 (per 128) and e4m3 (per token) activations move the trained
+    fixture's MoE outputs from exact (needs the checkpoint `bash ci/main.sh` writes).
     """
     session.run("python", f"bench/{what}.py", *session.posargs)
 
