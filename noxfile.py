@@ -192,7 +192,16 @@ def ci(session: nox.Session) -> None:
 @nox.session(python=False)
 @nox.parametrize(
     "what",
-    ["quant", "store", "vllm_load", "residency", "residency_serving", "residency_gpu", "kernels"],
+    [
+        "quant",
+        "store",
+        "vllm_load",
+        "residency",
+        "residency_serving",
+        "residency_gpu",
+        "kernels",
+        "kernel_activations",
+    ],
     ids=[
         "quant",
         "store",
