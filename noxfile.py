@@ -189,30 +189,20 @@ def ci(session: nox.Session) -> None:
     session.notify("install")
 
 
-@nox.session(python=False)
-@nox.parametrize(
-    "what",
-    [
-        "quant",
-        "store",
-        "vllm_load",
-        "residency",
-        "residency_serving",
-        "residency_gpu",
-        "kernels",
-        "kernel_activations",
-    ],
-    ids=[
-        "quant",
-        "store",
-        "vllm_load",
-        "residency",
-        "residency_serving",
-        "residency_gpu",
-        "kernels",
-        "kernel_activations",
-    ],
+BENCHES = (  # bench/<name>.py
+    "quant",
+    "store",
+    "vllm_load",
+    "residency",
+    "residency_serving",
+    "residency_gpu",
+    "kernels",
+    "kernel_activations",
 )
+
+
+@nox.session(python=False)
+@nox.parametrize("what", BENCHES, ids=BENCHES)
 def bench(session: nox.Session, what: str) -> None:
     """Benchmarks, not timed tests: ratios to a baseline of the same run; JSON in bench/results/.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 import torch
@@ -85,6 +87,30 @@ def w13_native_rows(a: np.ndarray, inter: int) -> np.ndarray:
     return a[order]
 
 
+class Fragment(NamedTuple):
+    tile: int  # (group, chunk, row tile) in the section, in storage order
+    lane: int
+    tt: int  # k-tile
+    jl: int  # A register j % 2: row g or g + 8
+    jh: int  # A register j // 2: k 0..3 or 4..7 of the lane's k-tile
+    i: int  # byte of the register
+
+
+def spec_fragment(lay: NativeRowLayout, proj: str, row: int, k: int) -> Fragment:
+    """Where the spec puts logical weight (row, k) of a projection (w13: gate rows 0..I-1, up
+    rows I..2I-1): row = 16 rt + g + 8 jl of its 64-row group, k = 32 t + 8 tt + 4 jh + i of its
+    128-chunk, lane 4 g + t."""
+    if proj == "w13":  # gate row r -> 64 (r // 32) + r % 32, up row I + r -> ... + 32
+        up, r = divmod(row, lay.inter)
+        row = 64 * (r // 32) + 32 * up + r % 32
+    group, rt, r16 = row // 64, (row % 64) // 16, row % 16
+    g, jl = r16 % 8, r16 // 8
+    chunk, kc = k // 128, k % 128
+    t, tt, jh, i = kc // 32, (kc % 32) // 8, (kc % 8) // 4, kc % 4
+    n_chunks = (lay.inter_p if proj == "w2" else lay.hidden_p) // 128
+    return Fragment((group * n_chunks + chunk) * 4 + rt, 4 * g + t, tt, jl, jh, i)
+
+
 def native_section(lay: NativeRowLayout, row: np.ndarray, name: str) -> np.ndarray:
     return row[lay.offsets[name] : lay.offsets[name] + lay.sizes[name]]
 
@@ -145,18 +171,10 @@ def test_native_bit_positions_follow_the_documented_formula() -> None:
         code = int(rng.integers(1, 4))
         sec[f"{proj}_codes"][0, row, k // 4] = code << (2 * (k % 4))
         native = native_section(lay, lay.pack(**sec)[0], f"{proj}_codes")
-        if proj == "w13":  # gate row r -> 64 (r // 32) + r % 32, up row I + r -> ... + 32
-            up, r = divmod(row, inter)
-            row = 64 * (r // 32) + 32 * up + r % 32
-        group, rt, r16 = row // 64, (row % 64) // 16, row % 16
-        g, jl = r16 % 8, r16 // 8  # row = 16 rt + g + 8 (j % 2)
-        chunk, kc = k // 128, k % 128
-        t, tt, jh, i = kc // 32, (kc % 32) // 8, (kc % 8) // 4, kc % 4  # k = 32t + 8tt + 4jh + i
-        lane = 4 * g + t
-        n_chunks = (lay.inter_p if proj == "w2" else lay.hidden_p) // 128
-        word_at = (((group * n_chunks + chunk) * 4 + rt) * 32 + lane) * 16 + 4 * tt
+        at = spec_fragment(lay, proj, row, k)
+        word_at = (at.tile * 32 + at.lane) * 16 + 4 * at.tt
         word = int.from_bytes(native[word_at : word_at + 4].tobytes(), "little")
-        bit = 16 * jh + 4 * i + 2 * jl
+        bit = 16 * at.jh + 4 * at.i + 2 * at.jl
         assert word == code << bit, (proj, row, k)
         assert np.count_nonzero(native) == 1
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_kernels_native import native_section, spec_scale_section, w13_native_rows
+from test_kernels_native import native_section, spec_fragment, spec_scale_section, w13_native_rows
 
 from moet_kernels.layout import (
     FAST_SPREAD,
@@ -128,18 +128,10 @@ def test_fp4_single_code_lands_at_the_documented_bit(hidden, inter) -> None:
         native = native_section(lay, packed, f"{proj}_codes")
         back = lay.views(packed)
         assert all(np.array_equal(back[n], sec[n][0]) for n in sec)
-        if proj == "w13":  # gate row r -> 64 (r // 32) + r % 32, up row I + r -> ... + 32
-            up, r = divmod(row, inter)
-            row = 64 * (r // 32) + 32 * up + r % 32
-        group, rt, r16 = row // 64, (row % 64) // 16, row % 16
-        g, jl = r16 % 8, r16 // 8  # row = 16 rt + g + 8 (j % 2)
-        chunk, kc = k // 128, k % 128
-        t, tt, jh, i = kc // 32, (kc % 32) // 8, (kc % 8) // 4, kc % 4  # k = 32t + 8tt + 4jh + i
-        lane, w = 4 * g + t, 2 * tt + jl
-        n_chunks = (lay.inter_p if proj == "w2" else lay.hidden_p) // 128
-        word_at = (((group * n_chunks + chunk) * 4 + rt) * 32 + lane) * 32 + 4 * w
+        at = spec_fragment(lay, proj, row, k)
+        word_at = (at.tile * 32 + at.lane) * 32 + 4 * (2 * at.tt + at.jl)
         word = int.from_bytes(native[word_at : word_at + 4].tobytes(), "little")
-        assert word == code << (16 * jh + 4 * i), (proj, row, k)
+        assert word == code << (16 * at.jh + 4 * at.i), (proj, row, k)
         assert np.count_nonzero(native) == 1
 
 
