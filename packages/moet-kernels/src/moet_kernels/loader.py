@@ -3,7 +3,10 @@
 Cubins are package data (`moet_kernels/cubins/<name>.<arch>.cubin`), one per target: sm_90a
 (validated on the H200), sm_100a and sm_120a (compiled and audited, not yet run on such a GPU).
 They are loaded with `cuda.bindings.driver` (cuModuleLoadData) into the context torch made current,
-and launched with cuLaunchKernel on torch's current stream, so torch.cuda.graph captures them.
+and launched with cuLaunchKernelEx on torch's current stream, so torch.cuda.graph captures them.
+Every launch allows programmatic dependent launch (PDL): a kernel may be scheduled while its
+predecessor in the stream drains, and waits for it on the device (`pdl_enter` in the source) before
+it touches memory; between the op's five kernels this hides most of each launch's latency.
 Modules load once per device, on first use or through `load()`; loading during graph capture is
 refused, because module loading is not capturable: call `load()` (or run once eagerly) first.
 `MOET_KERNELS_CUBIN_DIR` points the loader at another folder of cubins (development builds).
@@ -11,7 +14,9 @@ refused, because module loading is not capturable: call `load()` (or run once ea
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 from importlib import resources
 from pathlib import Path
@@ -153,32 +158,47 @@ class Module:
                 f"occupancy of {name}",
             )
             self._grids[key] = int(per_sm) * self.sms
-        return max(1, min(work, self._grids[key]))
+        return max(1, min(work, self._grids[key], self._grid_cap))
+
+    _grid_cap = 1 << 30
+
+    @contextlib.contextmanager
+    def grid_cap(self, ctas: int):
+        """Persistent kernels launched inside use at most `ctas` CTAs: validation checks that
+        results do not depend on the grid (nor on the whole/half work items it leads to)."""
+        self._grid_cap = ctas
+        try:
+            yield
+        finally:
+            del self._grid_cap
 
     def launch(self, name: str, grid: int, block: int, args: list) -> None:
-        """Launch kernel `name` with a 1-D grid on torch's current stream. `args` are ctypes
-        values in the kernel's parameter order."""
+        """Launch kernel `name` with a 1-D grid on torch's current stream, PDL allowed (module
+        docstring). `args` are ctypes values in the kernel's parameter order."""
         import torch
         from cuda.bindings import driver
 
         pointers = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes = 0
+        config.hStream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        config.attrs = [self._pdl]
+        config.numAttrs = 1
         _check(
-            driver.cuLaunchKernel(
-                self.function(name),
-                grid,
-                1,
-                1,
-                block,
-                1,
-                1,
-                0,
-                stream,
-                ctypes.addressof(pointers),
-                0,
-            ),
+            driver.cuLaunchKernelEx(config, self.function(name), ctypes.addressof(pointers), 0),
             f"launching {name}",
         )
+
+    @functools.cached_property
+    def _pdl(self):
+        from cuda.bindings import driver
+
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        return attr
 
 
 _modules: dict[int, Module] = {}

@@ -107,6 +107,15 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tensor:
+    """t itself where the kernels can read it (no copy node in the graph: vLLM's router gives
+    int32 ids and float32 weights), else copied into the workspace's fixed buffer."""
+    if t.dtype == dtype and t.is_contiguous():
+        return t
+    buffer.copy_(t)
+    return buffer
+
+
 def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed):
     dev = x.device
     n_tok, hidden = x.shape
@@ -118,8 +127,8 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     mod = load(dev)
     ws = _workspace(dev, n_tok, top_k, lay, n_experts)
-    ws.ids.copy_(topk_ids)
-    ws.weights.copy_(topk_weights)
+    ids = _as(topk_ids, torch.int32, ws.ids)
+    weights = _as(topk_weights, torch.float32, ws.weights)
     x = x.contiguous()
     out = torch.empty(n_tok, hidden, dtype=x.dtype, device=dev)
     i32, i64 = ctypes.c_int, ctypes.c_longlong
@@ -129,7 +138,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
         f"moet_route_{kind}",
         1 + min(-(-warps // 8), 4 * mod.sms),
         256,
-        [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ws.ids), i32(top_k),
+        [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ids), i32(top_k),
          _ptr(slot_table), i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count), _ptr(routed),
          _ptr(ws.xq), _ptr(ws.xs), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs),
          _ptr(ws.pair_ok)],
@@ -139,7 +148,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     gemm = GEMM_KERNELS[lay.tier.name]
     mod.launch(
         f"moet_w13{gemm}",
-        mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
+        mod.persistent_grid(f"moet_w13{gemm}", 128, 2 * ws.max_jobs * units),  # half items
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
@@ -157,7 +166,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     groups = lay.w2_rows // 64
     mod.launch(
         f"moet_w2{gemm}",
-        mod.persistent_grid(f"moet_w2{gemm}", 128, ws.max_jobs * groups),
+        mod.persistent_grid(f"moet_w2{gemm}", 128, 2 * ws.max_jobs * groups),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
          i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
@@ -167,7 +176,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
         f"moet_combine_{kind}",
         min(-(-(n_tok * hidden) // 256), 8 * mod.sms),
         256,
-        [_ptr(ws.y), _ptr(ws.weights), _ptr(ws.pair_ok), i32(n_tok), i32(top_k), i32(hidden),
+        [_ptr(ws.y), _ptr(weights), _ptr(ws.pair_ok), i32(n_tok), i32(top_k), i32(hidden),
          _ptr(out)],
     )  # fmt: skip
     return out
