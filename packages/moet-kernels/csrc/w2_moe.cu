@@ -145,7 +145,7 @@ __device__ __forceinline__ void load_chunk(ChunkT<PER, NR>& k, const Operands& o
   const uint8_t* sc = o.scales + (size_t)c * SCALE_CHUNK;
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
-    const int rt = o.rt0 + r * (4 / NR);
+    const int rt = NR == 4 ? r : o.rt0 + 2 * r;  // whole items: a compile-time offset
 #pragma unroll
     for (int q = 0; q < PER; ++q)
       k.cw[r * PER + q] = ld_stream16(cc + rt * 512 * PER + (lane * PER + q) * 16);
@@ -426,8 +426,13 @@ __device__ __forceinline__ void persistent_gemm(const Gemm& m, int work, Store s
   Operands cur = operands_of<K>(m, item, lane);
   if (warp < m.nchunks) load_chunk(a, cur, warp, lane);
   for (; item < work; item += gridDim.x) {
-    const bool has_next = item + (int)gridDim.x < work;
-    const Operands next = has_next ? operands_of<K>(m, item + gridDim.x, lane) : cur;
+    const bool more = item + (int)gridDim.x < work;
+    const Operands next = more ? operands_of<K>(m, item + gridDim.x, lane) : cur;
+#ifdef MOET_NO_PREFETCH
+    const bool has_next = false;
+#else
+    const bool has_next = more;
+#endif
     float f[K::kTiles][4];
     gemm(f, a, b, cur, next, has_next, m.nchunks, warp, lane);
     reduce_warps(f, red, warp, lane);
@@ -437,6 +442,9 @@ __device__ __forceinline__ void persistent_gemm(const Gemm& m, int work, Store s
     }
     __syncthreads();  // red is reused by the next item
     cur = next;
+#ifdef MOET_NO_PREFETCH
+    if (more && warp < m.nchunks) load_chunk(a, cur, warp, lane);
+#endif
   }
 }
 
@@ -449,7 +457,11 @@ __device__ __forceinline__ void run_gemm(const Gemm& m, int units, Store store) 
   __shared__ float red[WARPS][16][32];
   const int grid = gridDim.x;
   const int whole = (units + grid - 1) / grid, halves = (2 * units + grid - 1) / grid;
+#ifdef MOET_NO_HALF
+  if (false)
+#else
   if (10 * halves <= 18 * whole)  // half items save at least 10%
+#endif
     persistent_gemm<KHalf>(m, 2 * units, store, red);
   else
     persistent_gemm<K>(m, units, store, red);
