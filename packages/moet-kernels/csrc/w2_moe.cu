@@ -108,68 +108,52 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
-// Where one work item's operands are: its 64-row group's codes and scales (K chunk 0), the
-// activation row of column g and the activation scales of columns 2tig and 2tig+1 (null: an
-// empty column), and the first of the item's row tiles (half items: rt0 and rt0 + 2).
-struct Operands {
-  const uint8_t* codes;
-  const uint8_t* scales;
-  const int8_t* act_g;
-  const float *as0, *as1;
-  int rt0;
-};
-
-// One K chunk's operands for one warp: codes and scale words of the item's NR row tiles (rows g,
-// g+8), their slow-tile flags (byte r: row tile r), the activation fragments of column g (its
-// 32-block tig) and the chunk's activation scales of columns 2*tig and 2*tig+1.
-// PER: 16-byte code pieces per lane and row tile (W2: 1; FP4: 2, the lane's 32 bytes).
-template <int PER, int NR>
+// One K chunk's operands for one warp: codes and scale words of the 4 row tiles (rows g, g+8),
+// the slow-tile flags, the activation fragments of column g (its 32-block tig) and the chunk's
+// activation scales of columns 2*tig and 2*tig+1.
+// CW: 16-byte code pieces per lane (W2: 1 per row tile; FP4: 2, the lane's 32 bytes).
+template <int CW>
 struct ChunkT {
-  static constexpr int kTiles = NR;
-  static constexpr int kCodeBytes = CODE_CHUNK * PER;  // per (64-row group, K chunk)
-  uint4 cw[PER * NR];
-  uint2 sw[NR];
+  static constexpr int kCodeBytes = CODE_CHUNK * CW / 4;  // per (64-row group, K chunk)
+  uint4 cw[CW];
+  uint2 sw[4];
   uint32_t slow;
   uint4 b_lo, b_hi;
   float x0, x1;
 };
-using Chunk = ChunkT<1, 4>;
-using ChunkFp4 = ChunkT<2, 4>;
-using ChunkHalf = ChunkT<1, 2>;  // w13 half items: 16 gate rows and the same 16 up rows
-using ChunkFp4Half = ChunkT<2, 2>;
+using Chunk = ChunkT<4>;
+using ChunkFp4 = ChunkT<8>;
 
-template <int PER, int NR>
-__device__ __forceinline__ void load_chunk(ChunkT<PER, NR>& k, const Operands& o, int c, int lane) {
+template <int CW>
+__device__ __forceinline__ void load_chunk(ChunkT<CW>& k, const uint8_t* codes,
+                                           const uint8_t* scales, int c, const int8_t* act_g,
+                                           const float* as0, const float* as1, int lane) {
   const int g = lane >> 2, tig = lane & 3;
-  const uint8_t* cc = o.codes + (size_t)c * ChunkT<PER, NR>::kCodeBytes;
-  const uint8_t* sc = o.scales + (size_t)c * SCALE_CHUNK;
+  constexpr int PER = CW / 4;  // pieces per lane and row tile
+  const uint8_t* cc = codes + (size_t)c * ChunkT<CW>::kCodeBytes;
 #pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    const int rt = NR == 4 ? r : o.rt0 + 2 * r;  // whole items: a compile-time offset
+  for (int q = 0; q < CW; ++q)
+    k.cw[q] = ld_stream16(cc + (q / PER) * 512 * PER + (lane * PER + q % PER) * 16);
 #pragma unroll
-    for (int q = 0; q < PER; ++q)
-      k.cw[r * PER + q] = ld_stream16(cc + rt * 512 * PER + (lane * PER + q) * 16);
-    k.sw[r] = ld_stream8(sc + rt * 64 + g * 8);
-  }
-  const uint32_t flags = ld_stream4(sc + SLOW_FLAGS);
-  k.slow = NR == 4 ? flags : ((flags >> (8 * o.rt0)) & 1u) | ((flags >> (8 * o.rt0 + 8)) & 256u);
+  for (int rt = 0; rt < 4; ++rt)
+    k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
+  k.slow = ld_stream4(scales + (size_t)c * SCALE_CHUNK + SLOW_FLAGS);
   k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
-  if (o.act_g) {
-    const uint4* p = reinterpret_cast<const uint4*>(o.act_g + c * KCHUNK + tig * 32);
+  if (act_g) {
+    const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
     k.b_lo = p[0];
     k.b_hi = p[1];
   }
   // FP4 levels are 2 * e2m1: their half scale goes with the activation scale (exact)
-  constexpr float HALF = PER == 2 ? 0.5f : 1.f;
-  k.x0 = o.as0 ? HALF * o.as0[c] : 0.f;
-  k.x1 = o.as1 ? HALF * o.as1[c] : 0.f;
+  constexpr float HALF = CW == 8 ? 0.5f : 1.f;
+  k.x0 = as0 ? HALF * as0[c] : 0.f;
+  k.x1 = as1 ? HALF * as1[c] : 0.f;
 }
 
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
 // (row g+8) and accumulates its mma into acc. A PRMT selector nibble's bit 2 picks the second
 // source (the same table: don't care), bit 3 must be clear.
-template <int NR>
-__device__ __forceinline__ void tile_mma(uint32_t (&acc)[4], const ChunkT<1, NR>& k, int rt, int tt,
+__device__ __forceinline__ void tile_mma(uint32_t (&acc)[4], const Chunk& k, int rt, int tt,
                                          uint32_t tab, uint32_t tab8) {
   const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
   const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
@@ -181,9 +165,8 @@ __device__ __forceinline__ void tile_mma(uint32_t (&acc)[4], const ChunkT<1, NR>
 
 // f[rt][0..3] += the int32 sums acc (biased by MAGIC) x the scales of rows g / g+8 (s, s8) and of
 // columns 2tig / 2tig+1.
-template <class K>
 __device__ __forceinline__ void promote(float (&f)[4], const uint32_t (&acc)[4], float s, float s8,
-                                        const K& k) {
+                                        const Chunk& k) {
   f[0] = fmaf(__uint_as_float(acc[0]) - MAGIC, s * k.x0, f[0]);
   f[1] = fmaf(__uint_as_float(acc[1]) - MAGIC, s * k.x1, f[1]);
   f[2] = fmaf(__uint_as_float(acc[2]) - MAGIC, s8 * k.x0, f[2]);
@@ -196,33 +179,32 @@ __device__ __forceinline__ uint32_t fast_table(uint32_t word, int tig) {
   return ((word >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u;
 }
 
-// f[rt][0..3] += rows g / g+8 of the item's row tile rt x columns 2tig / 2tig+1, over one chunk.
+// f[rt][0..3] += rows g / g+8 of row tile rt x columns 2tig / 2tig+1, over one chunk.
 // Fast tiles: the chunk's 4 k-tiles accumulate in int32 and one promotion applies 2^(b_min - 127)
 // (a fast word's bits 23..30 hold b_min, so masking them gives the float) times the activation
 // scale. When no tile of the chunk is slow (the common case) the 4 row tiles' mma chains run
 // interleaved. A slow tile's words are the 4 raw scale bytes: one pass per 32-block j, where only
 // lane group j's table is non-zero, promoted with that block's scales (a byte of 0 reads as 0).
-template <int NR>
-__device__ __forceinline__ void mma_chunk(float (&f)[NR][4], const ChunkT<1, NR>& k, int tig) {
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int tig) {
   if (k.slow == 0) {
-    uint32_t acc[NR][4];
+    uint32_t acc[4][4];
 #pragma unroll
-    for (int rt = 0; rt < NR; ++rt)
+    for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][i] = MAGIC_BITS;
 #pragma unroll
     for (int tt = 0; tt < 4; ++tt)
 #pragma unroll
-      for (int rt = 0; rt < NR; ++rt)
+      for (int rt = 0; rt < 4; ++rt)
         tile_mma(acc[rt], k, rt, tt, fast_table(k.sw[rt].x, tig), fast_table(k.sw[rt].y, tig));
 #pragma unroll
-    for (int rt = 0; rt < NR; ++rt)
+    for (int rt = 0; rt < 4; ++rt)
       promote(f[rt], acc[rt], __uint_as_float(k.sw[rt].x & 0x7F800000u),
               __uint_as_float(k.sw[rt].y & 0x7F800000u), k);
     return;
   }
 #pragma unroll
-  for (int rt = 0; rt < NR; ++rt) {
+  for (int rt = 0; rt < 4; ++rt) {
     const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
     if (!((k.slow >> (8 * rt)) & 1u)) {
       uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
@@ -259,9 +241,8 @@ struct Fp4Tables {
 // the sign bit set selects its magnitude in sign-replicate mode, which gives 0 (every table byte
 // is below 0x80); the negative ones are the same with the sign bits flipped. So W x = P x - N x,
 // two mma chains (pos, neg), and no per-byte negation.
-template <int NR>
 __device__ __forceinline__ void fp4_tile_mma(uint32_t (&pos)[4], uint32_t (&neg)[4],
-                                             const ChunkT<2, NR>& k, int rt, int tt,
+                                             const ChunkFp4& k, int rt, int tt,
                                              const Fp4Tables& t) {
   const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
   const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
@@ -275,10 +256,9 @@ __device__ __forceinline__ void fp4_tile_mma(uint32_t (&pos)[4], uint32_t (&neg)
 }
 
 // f[rt][0..3] += (P - N) x scales: both sums are biased by MAGIC, so one FADD gives P - N.
-template <class K>
 __device__ __forceinline__ void promote_fp4(float (&f)[4], const uint32_t (&pos)[4],
                                             const uint32_t (&neg)[4], float s, float s8,
-                                            const K& k) {
+                                            const ChunkFp4& k) {
   float d[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(pos[i]) - __uint_as_float(neg[i]);
@@ -290,10 +270,9 @@ __device__ __forceinline__ void promote_fp4(float (&f)[4], const uint32_t (&pos)
 
 // The FP4 tiers' chunk: as for W2 (same scale words; the packer keeps fast tiles within a spread
 // of 3, so v <= 8 and 12 v <= 96 fits an int8), with P/N mma chains per row tile.
-template <int NR>
-__device__ __forceinline__ void mma_chunk(float (&f)[NR][4], const ChunkT<2, NR>& k, int tig) {
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, int tig) {
 #pragma unroll
-  for (int rt = 0; rt < NR; ++rt) {
+  for (int rt = 0; rt < 4; ++rt) {
     const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
     uint32_t pos[4], neg[4];
     if (!((k.slow >> (8 * rt)) & 1u)) {
@@ -320,151 +299,45 @@ __device__ __forceinline__ void mma_chunk(float (&f)[NR][4], const ChunkT<2, NR>
   }
 }
 
-// One warp's share (chunks warp, warp + 4, ...) of an item's NR row tiles x K product against up
-// to 8 activation columns. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3) of the item's row
-// tile rt, columns 2*tig and 2*tig+1. Chunks ping-pong between a and b with the next chunk's
-// loads in flight during the current chunk's math, across items too: on entry a holds this
-// warp's first chunk of `cur`, on return (has_next) its first chunk of `next`, so a CTA streams
-// its items without a pipeline bubble at each item's start.
+// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
+// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
+// The next chunk's loads are issued before the current chunk's math (two chunks in flight).
 template <class K>
-__device__ __forceinline__ void gemm(float (&f)[K::kTiles][4], K& a, K& b, const Operands& cur,
-                                     const Operands& next, bool has_next, int nchunks, int warp,
-                                     int lane) {
+__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
+                                       const uint8_t* scales, int nchunks, const int8_t* act_g,
+                                       const float* as0, const float* as1, int warp, int lane) {
 #pragma unroll
-  for (int rt = 0; rt < K::kTiles; ++rt)
+  for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
+  K a, b;  // ping-pong: no register copies between iterations
+  load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
-  for (int c = warp;; c += 2 * WARPS) {
-    if (c + WARPS < nchunks)
-      load_chunk(b, cur, c + WARPS, lane);
-    else if (has_next)
-      load_chunk(b, next, warp, lane);
+  for (int c = warp; c < nchunks; c += 2 * WARPS) {
+    if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
     mma_chunk(f, a, lane & 3);
-    if (c + WARPS >= nchunks) {
-      if (has_next) a = b;
-      return;
-    }
-    if (c + 2 * WARPS < nchunks)
-      load_chunk(a, cur, c + 2 * WARPS, lane);
-    else if (has_next)
-      load_chunk(a, next, warp, lane);
+    if (c + WARPS >= nchunks) break;
+    if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
     mma_chunk(f, b, lane & 3);
-    if (c + 2 * WARPS >= nchunks) return;
   }
 }
 
 // Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
-template <int NR>
-__device__ __forceinline__ void reduce_warps(float (&f)[NR][4], float (*red)[16][32], int warp,
+__device__ __forceinline__ void reduce_warps(float (&f)[4][4], float (*red)[16][32], int warp,
                                              int lane) {
 #pragma unroll
-  for (int i = 0; i < 4 * NR; ++i) red[warp][i][lane] = f[i >> 2][i & 3];
+  for (int i = 0; i < 16; ++i) red[warp][i][lane] = f[i >> 2][i & 3];
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (int i = 0; i < 4 * NR; ++i) {
+    for (int i = 0; i < 16; ++i) {
       float v = red[0][i][lane];
 #pragma unroll
       for (int w = 1; w < WARPS; ++w) v = __fadd_rn(v, red[w][i][lane]);
       f[i >> 2][i & 3] = v;
     }
   }
-}
-
-// A GEMM kernel's work: per job (one expert, up to 8 pairs) n_units units of 64 expert rows over
-// K = 128 * nchunks, against activation rows [row, act_k] int8 with scales [row, act_k / 128];
-// pair p's activation row is p / pair_div (w13: top_k, rows are tokens; w2: 1, rows are pairs).
-struct Gemm {
-  const uint8_t* pool;
-  long long slot_bytes, off_codes, off_scales;
-  int n_units, nchunks;
-  const int8_t* act;
-  const float* act_scale;
-  int act_k, pair_div;
-  const int* job_slot;
-  const int* job_pairs;
-};
-
-// Work item -> (job, unit, first row tile): S items per unit (S = 2: half items, row tiles h and
-// h + 2, so a w13 half keeps each gate row with its up row).
-template <int S>
-struct ItemOf {
-  int job, unit, rt0;
-  __device__ __forceinline__ ItemOf(const Gemm& m, int item)
-      : job(item / (m.n_units * S)), unit(item / S % m.n_units), rt0(item % S) {}
-};
-
-template <class K>
-__device__ __forceinline__ Operands operands_of(const Gemm& m, int item, int lane) {
-  const ItemOf<4 / K::kTiles> it(m, item);
-  const int g = lane >> 2, tig = lane & 3, nsc = m.act_k / KCHUNK;
-  const uint8_t* row = m.pool + (size_t)m.job_slot[it.job] * m.slot_bytes;
-  const int* pairs = m.job_pairs + it.job * TOK;
-  const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
-  Operands o;
-  o.codes = row + m.off_codes + (size_t)it.unit * m.nchunks * K::kCodeBytes;
-  o.scales = row + m.off_scales + (size_t)it.unit * m.nchunks * SCALE_CHUNK;
-  o.act_g = pg >= 0 ? m.act + (size_t)(pg / m.pair_div) * m.act_k : nullptr;
-  o.as0 = p0 >= 0 ? m.act_scale + (size_t)(p0 / m.pair_div) * nsc : nullptr;
-  o.as1 = p1 >= 0 ? m.act_scale + (size_t)(p1 / m.pair_div) * nsc : nullptr;
-  o.rt0 = it.rt0;
-  return o;
-}
-
-// The persistent GEMM loop over this CTA's work items (blockIdx.x, + gridDim.x, ...), each one
-// item's row tiles over the whole K (4 warps split it), reduced in warp order and handed to
-// store(job, unit, rt0, f) on warp 0 (f[r]: the item's row tile r, physical tile rt0 + r * 4/NR).
-template <class K, class Store>
-__device__ __forceinline__ void persistent_gemm(const Gemm& m, int work, Store store,
-                                                float (*red)[16][32]) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int item = blockIdx.x;
-  if (item >= work) return;
-  K a, b;
-  Operands cur = operands_of<K>(m, item, lane);
-  if (warp < m.nchunks) load_chunk(a, cur, warp, lane);
-  for (; item < work; item += gridDim.x) {
-    const bool more = item + (int)gridDim.x < work;
-    const Operands next = more ? operands_of<K>(m, item + gridDim.x, lane) : cur;
-#ifdef MOET_NO_PREFETCH
-    const bool has_next = false;
-#else
-    const bool has_next = more;
-#endif
-    float f[K::kTiles][4];
-    gemm(f, a, b, cur, next, has_next, m.nchunks, warp, lane);
-    reduce_warps(f, red, warp, lane);
-    if (warp == 0) {
-      const ItemOf<4 / K::kTiles> it(m, item);
-      store(it.job, it.unit, it.rt0, f);
-    }
-    __syncthreads();  // red is reused by the next item
-    cur = next;
-#ifdef MOET_NO_PREFETCH
-    if (more && warp < m.nchunks) load_chunk(a, cur, warp, lane);
-#endif
-  }
-}
-
-// Runs the jobs' units as whole items (K) or, where whole items would leave much of the grid idle
-// in their last round, as half items (KHalf): 2 rounds of 512 whole items on 396 CTAs (w13 at
-// batch 1) become 3 rounds of half items, 1.5 whole rounds. Each row's sum is the same either way
-// (the same chunks per warp, reduced in the same order), so results do not depend on the choice.
-template <class K, class KHalf, class Store>
-__device__ __forceinline__ void run_gemm(const Gemm& m, int units, Store store) {
-  __shared__ float red[WARPS][16][32];
-  const int grid = gridDim.x;
-  const int whole = (units + grid - 1) / grid, halves = (2 * units + grid - 1) / grid;
-#ifdef MOET_NO_HALF
-  if (false)
-#else
-  if (10 * halves <= 18 * whole)  // half items save at least 10%
-#endif
-    persistent_gemm<KHalf>(m, 2 * units, store, red);
-  else
-    persistent_gemm<K>(m, units, store, red);
 }
 
 // Quantizes 32 values to int8 with one float32 scale, as reference.quantize_activations does:
@@ -657,35 +530,46 @@ MOET_ROUTE(moet_route_f32, float)
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
-template <class K, class KHalf>
+template <class K>
 __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
                                     const int8_t* xq, const float* xs, int hidden_p, int top_k,
                                     const int* n_jobs, const int* job_slot, const int* job_pairs,
                                     float* h, int inter_p) {
   pdl_enter();
-  const Gemm m = {pool, slot_bytes, off_codes, off_scales, n_units,  nchunks,
-                  xq,   xs,         hidden_p,  top_k,      job_slot, job_pairs};
-  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  run_gemm<K, KHalf>(m, *n_jobs * n_units, [&](int job, int u, int rt0, const auto& f) {
-    // f[r][j]: gate row tiles r < NR/2 (physical rt0 + r), up row tiles r + NR/2; rows g (j < 2)
-    // and g+8 of the tile, columns 2tig (j even) and 2tig+1
-    constexpr int NR = sizeof(f) / sizeof(f[0]);
+  __shared__ float red[WARPS][16][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int work = *n_jobs * n_units;
+  for (int item = blockIdx.x; item < work; item += gridDim.x) {
+    const int job = item / n_units, u = item % n_units;
+    const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
+    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
+    const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
+    const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
+    const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
+    float f[4][4];
+    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes,
+              row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+              lane);
+    reduce_warps(f, red, warp, lane);
+    if (warp == 0) {
+      // f[rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8, 16+g,
+      // 24+g of this unit; columns 2tig (j even) and 2tig+1
 #pragma unroll
-    for (int col = 0; col < 2; ++col) {
-      const int pair = pairs[2 * tig + col];
-      if (pair < 0) continue;
-      float* dst = h + (size_t)pair * inter_p + u * 32;
+      for (int col = 0; col < 2; ++col) {
+        const int pair = col ? p1 : p0;
+        if (pair < 0) continue;
+        float* dst = h + (size_t)pair * inter_p + u * 32;
 #pragma unroll
-      for (int r = 0; r < NR / 2; ++r)
-#pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          const int j = 2 * hi + col;
-          dst[16 * (rt0 + r) + 8 * hi + g] = __fmul_rn(silu(f[r][j]), f[r + NR / 2][j]);
+        for (int q = 0; q < 4; ++q) {
+          const int rt = q >> 1, j = (q & 1) * 2 + col;
+          dst[(q & 1) * 8 + (q >> 1) * 16 + g] = __fmul_rn(silu(f[rt][j]), f[rt + 2][j]);
         }
+      }
     }
-  });
+    __syncthreads();  // red is reused by the next item
+  }
 }
 
 // The down projection's input: h quantized per pair and chunk of 128 (one warp each) to int8 aq
@@ -710,48 +594,61 @@ extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, 
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-template <class K, class KHalf>
+template <class K>
 __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                    long long off_scales, int n_groups, int nchunks,
                                    const int8_t* aq, const float* as, int inter_p,
                                    const int* n_jobs, const int* job_slot, const int* job_pairs,
                                    float* y, int hidden) {
   pdl_enter();
-  const Gemm m = {pool, slot_bytes, off_codes, off_scales, n_groups, nchunks,
-                  aq,   as,         inter_p,   1,          job_slot, job_pairs};
-  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  run_gemm<K, KHalf>(m, *n_jobs * n_groups, [&](int job, int rg, int rt0, const auto& f) {
-    constexpr int NR = sizeof(f) / sizeof(f[0]);
+  __shared__ float red[WARPS][16][32];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int work = *n_jobs * n_groups;
+  for (int item = blockIdx.x; item < work; item += gridDim.x) {
+    const int job = item / n_groups, rg = item % n_groups;
+    const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
+    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
+    const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
+    const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
+    const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
+    float f[4][4];
+    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes,
+              row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+              lane);
+    reduce_warps(f, red, warp, lane);
+    if (warp == 0) {
 #pragma unroll
-    for (int r = 0; r < NR; ++r)
+      for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int n = rg * 64 + (rt0 + r * (4 / NR)) * 16 + g + (j >> 1) * 8;
-        const int pair = pairs[2 * tig + (j & 1)];
-        if (pair >= 0 && n < hidden) y[(size_t)pair * hidden + n] = f[r][j];
-      }
-  });
+        for (int j = 0; j < 4; ++j) {
+          const int n = rg * 64 + rt * 16 + g + (j >> 1) * 8;
+          const int pair = (j & 1) ? p1 : p0;
+          if (pair >= 0 && n < hidden) y[(size_t)pair * hidden + n] = f[rt][j];
+        }
+    }
+    __syncthreads();
+  }
 }
 
-// Entry points: W2 rows and FP4 rows (fp4r, fp4x-mxfp4) share everything but the chunk types.
-#define MOET_GEMMS(SUFFIX, K, KHALF, BLOCKS)                                                   \
+// Entry points: W2 rows and FP4 rows (fp4r, fp4x-mxfp4) share everything but the chunk type.
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                          \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(              \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,    \
       int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,    \
       const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
-    w13<K, KHALF>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, \
-                  top_k, n_jobs, job_slot, job_pairs, h, inter_p);                             \
+    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k, \
+           n_jobs, job_slot, job_pairs, h, inter_p);                                           \
   }                                                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(               \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,    \
       int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,               \
       const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
-    w2<K, KHALF>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p,  \
-                 n_jobs, job_slot, job_pairs, y, hidden);                                      \
+    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, n_jobs, \
+          job_slot, job_pairs, y, hidden);                                                     \
   }
-MOET_GEMMS(, Chunk, ChunkHalf, GEMM_BLOCKS)
-MOET_GEMMS(_fp4, ChunkFp4, ChunkFp4Half, GEMM_BLOCKS_FP4)
+MOET_GEMMS(, Chunk, GEMM_BLOCKS)
+MOET_GEMMS(_fp4, ChunkFp4, GEMM_BLOCKS_FP4)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).

@@ -164,8 +164,8 @@ class Module:
 
     @contextlib.contextmanager
     def grid_cap(self, ctas: int):
-        """Persistent kernels launched inside use at most `ctas` CTAs: validation checks that
-        results do not depend on the grid (nor on the whole/half work items it leads to)."""
+        """Persistent kernels launched inside use at most `ctas` CTAs (validation checks that
+        results do not depend on the grid)."""
         self._grid_cap = ctas
         try:
             yield

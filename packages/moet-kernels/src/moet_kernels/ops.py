@@ -148,7 +148,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     gemm = GEMM_KERNELS[lay.tier.name]
     mod.launch(
         f"moet_w13{gemm}",
-        mod.persistent_grid(f"moet_w13{gemm}", 128, 2 * ws.max_jobs * units),  # half items
+        mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
          i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
@@ -166,7 +166,7 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     groups = lay.w2_rows // 64
     mod.launch(
         f"moet_w2{gemm}",
-        mod.persistent_grid(f"moet_w2{gemm}", 128, 2 * ws.max_jobs * groups),
+        mod.persistent_grid(f"moet_w2{gemm}", 128, ws.max_jobs * groups),
         128,
         [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
          i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
