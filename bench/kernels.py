@@ -345,6 +345,8 @@ def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier
     bw = copy_bandwidth()
     out = {"copy_bandwidth_GBps": bw / 1e9, "layers_in_graph": n_layers, "scales": scales,
            "tier": tier,
+           "kernel_us": "profiler span per kernel: with PDL it includes the wait for the previous "
+                        "kernel, so only us_per_layer is a time",
            "slow_tiles": layers[0].lay.slow_tile_fractions(layers[0].pool[0]),
            "batches": {}}  # fmt: skip
     nr_all = {}

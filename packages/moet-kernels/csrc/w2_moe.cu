@@ -302,26 +302,6 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, i
 // One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
 // activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
 // The next chunk's loads are issued before the current chunk's math (two chunks in flight).
-#ifndef MOET_L2_AHEAD
-#define MOET_L2_AHEAD 0
-#endif
-// Bulk L2 prefetch (sm_90+) of chunk c's codes and scales: the register loads then hit L2, so more
-// bytes are in flight per warp without more registers. Lane 0 issues it; c past the end: nothing.
-template <class K>
-__device__ __forceinline__ void l2_prefetch(const uint8_t* codes, const uint8_t* scales, int c,
-                                            int nchunks, int lane) {
-  if (lane != 0 || c >= nchunks) return;
-  const uint8_t* pc = codes + (size_t)c * K::kCodeBytes;
-  const uintptr_t ps = reinterpret_cast<uintptr_t>(scales + (size_t)c * SCALE_CHUNK);
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pc), "r"(K::kCodeBytes)
-               : "memory");
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ps & ~(uintptr_t)15), "r"(288)
-               : "memory");
-}
-
-// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
-// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
-// The next chunk's loads are issued before the current chunk's math (two chunks in flight).
 template <class K>
 __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
                                        const uint8_t* scales, int nchunks, const int8_t* act_g,
@@ -331,30 +311,14 @@ __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
   if (warp >= nchunks) return;
-  constexpr int D = MOET_L2_AHEAD;  // chunks (of this warp) prefetched ahead of the loads
-#if MOET_L2_AHEAD < 0
-  if (warp == 0 && lane == 0) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(codes),
-                 "r"(nchunks * K::kCodeBytes)
-                 : "memory");
-    const uintptr_t ps = reinterpret_cast<uintptr_t>(scales);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ps & ~(uintptr_t)15),
-                 "r"((nchunks * SCALE_CHUNK + (int)(ps & 15) + 15) & ~15)
-                 : "memory");
-  }
-#endif
-#pragma unroll
-  for (int i = 1; i <= D; ++i) l2_prefetch<K>(codes, scales, warp + i * WARPS, nchunks, lane);
   K a, b;  // ping-pong: no register copies between iterations
   load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
   for (int c = warp; c < nchunks; c += 2 * WARPS) {
     if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
-    if (D > 0) l2_prefetch<K>(codes, scales, c + (D + 1) * WARPS, nchunks, lane);
     mma_chunk(f, a, lane & 3);
     if (c + WARPS >= nchunks) break;
     if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
-    if (D > 0) l2_prefetch<K>(codes, scales, c + (D + 2) * WARPS, nchunks, lane);
     mma_chunk(f, b, lane & 3);
   }
 }
