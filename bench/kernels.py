@@ -5,12 +5,12 @@
 Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
 cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
 
-- validate (W2 rows, and FP4 rows of the fp4r and fp4x-mxfp4 tiers): every case draws fresh
-  random weights, activations and routings; the op's output is
-  compared with the kernel-mode reference (float64 GEMMs over the kernels' int8 activations) and
-  the exact reference; buffers are poisoned before each run; a rerun must be byte-identical; a
-  CUDA graph replay must equal the eager run; with random slot tables the miss counter and the
-  routed mask must be exact, counting real rows only.
+- validate (W2 rows, FP4 rows of the fp4r and fp4x-mxfp4 tiers, and an FP4 pool preferred over
+  a W2 one: tier "fp4r>w2"): every case draws fresh random weights, activations and routings; the
+  op's output is compared with the kernel-mode reference (float64 GEMMs over the kernels' int8
+  activations) and the exact reference; buffers are poisoned before each run; a rerun must be
+  byte-identical, also on fewer CTAs; a CUDA graph replay must equal the eager run; with random
+  slot tables the miss counter and the routed mask must be exact, counting real rows only.
 - time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
   size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
   shaped like trained weights' (`SCALES`; again at batch 1 and 8 with "wide" scales, the slow
@@ -159,12 +159,16 @@ def routing(n_tok, n_experts, top_k, gen, dev="cuda"):
     return ids, w / w.sum(dim=1, keepdim=True)
 
 
-def run_op(layer, x, ids, w, n_real, miss, routed):
+def run_op(layers, x, ids, w, n_real, miss, routed):
+    """The op over `layers` (Layer, or [FP4 Layer, Layer]: the first preferred)."""
     from moet_kernels.ops import w2_moe_slots
 
+    layers = layers if isinstance(layers, list) else [layers]
+    last = layers[-1]
+    fp4 = (layers[0].pool, layers[0].slots, layers[0].tier) if len(layers) == 2 else ()
     return w2_moe_slots(
-        x, ids, w, layer.pool, layer.slots, layer.hidden, layer.inter, n_real, miss, routed,
-        layer.tier,
+        x, ids, w, last.pool, last.slots, last.hidden, last.inter, n_real, miss, routed,
+        last.tier, *fp4,
     )  # fmt: skip
 
 
@@ -193,7 +197,13 @@ def validate_case(
     from moet_kernels.loader import load
     from moet_kernels.reference import _moe
 
-    layer = Layer(hidden, inter, n_experts, gen, resident=resident, scales=scales, tier=tier)
+    # tier "a>b": an `a` pool (half the experts, drawn independently) preferred over a `b` one
+    layers = [
+        Layer(hidden, inter, n_experts, gen, resident=0.5 if t != tier.split(">")[-1] else resident,
+              scales=scales, tier=t)
+        for t in tier.split(">")
+    ]  # fmt: skip
+    layer = layers[-1]
     ids, w = routing(n_tok, n_experts, top_k, gen)
     x = (torch.randn(n_tok, hidden, device="cuda", generator=gen) * 0.5).to(dtype)
     n_real = max(1, n_tok - pad)
@@ -204,42 +214,49 @@ def validate_case(
               "slow_tiles": layer.lay.slow_tile_fractions(layer.pool[0])}  # fmt: skip
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")
     routed = torch.zeros(n_experts, dtype=torch.uint8, device="cuda")
-    run_op(layer, x, ids, w, nr, miss, routed)  # allocates the workspace
+    run_op(layers, x, ids, w, nr, miss, routed)  # allocates the workspace
     poison_workspaces(layer)
     miss.zero_()
     routed.zero_()
-    out = run_op(layer, x, ids, w, nr, miss, routed)
+    out = run_op(layers, x, ids, w, nr, miss, routed)
     torch.cuda.synchronize()
-    slots = layer.slots.long()
+    held = torch.stack([lr.slots >= 0 for lr in layers]).any(0)
     real_ids = ids[:n_real].long()
-    want_miss = int((slots[real_ids] < 0).sum())
+    want_miss = int((~held[real_ids]).sum())
     want_routed = torch.zeros(n_experts, dtype=torch.uint8, device="cuda")
     want_routed[real_ids.unique()] = 1
     result["miss_count"] = [int(miss.item()), want_miss]
     result["routed_exact"] = bool(torch.equal(routed, want_routed))
     result["finite"] = bool(torch.isfinite(out).all())
 
+    def holder(e):  # the first tier's layer holding expert e
+        return next(lr for lr in layers if lr.slots[e] >= 0)
+
     def experts(e):
-        return layer.c13[e], layer.s13[e], layer.c2[e], layer.s2[e]
+        lr = holder(e)
+        return lr.c13[e], lr.s13[e], lr.c2[e], lr.s2[e]
 
     def skip(e):
-        return bool(slots[e] < 0)
+        return not bool(held[e])
+
+    def tier_of(e):
+        return holder(e).tier
 
     xf = x.float()
-    ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel", tier=tier)
-    ref_x = _moe(xf.double(), ids.long(), w, inter, experts, skip=skip, mode="exact", tier=tier)
+    ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel", tier=tier_of)
+    ref_x = _moe(xf.double(), ids.long(), w, inter, experts, skip=skip, mode="exact", tier=tier_of)
     result["rel_vs_kernel_ref"] = rel(out.float(), ref_k)
     result["rel_vs_exact_ref"] = rel(out.float(), ref_x)
     result["rel_kernel_ref_vs_exact_ref"] = rel(ref_k, ref_x)
     # rerun: byte-identical
     miss.zero_()
-    out2 = run_op(layer, x, ids, w, nr, miss, routed)
+    out2 = run_op(layers, x, ids, w, nr, miss, routed)
     result["rerun_identical"] = bool(torch.equal(out.view(torch.uint8), out2.view(torch.uint8)))
     # fewer CTAs in the persistent kernels: byte-identical (no sum depends on the grid)
     result["grid_independent"] = True
     for ctas in (13, 131):
         with load().grid_cap(ctas):
-            out_c = run_op(layer, x, ids, w, nr, miss, routed)
+            out_c = run_op(layers, x, ids, w, nr, miss, routed)
         same = torch.equal(out.view(torch.uint8), out_c.view(torch.uint8))
         result["grid_independent"] &= bool(same)
     # graph replay equals eager
@@ -247,10 +264,10 @@ def validate_case(
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        run_op(layer, x, ids, w, nr, miss, routed)
+        run_op(layers, x, ids, w, nr, miss, routed)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
-        out_g = run_op(layer, x, ids, w, nr, miss, routed)
+        out_g = run_op(layers, x, ids, w, nr, miss, routed)
     poison_workspaces(layer)
     miss.zero_()
     g.replay()
@@ -282,6 +299,7 @@ def validate(gen, reduced: bool) -> list[dict]:
             # the job sort (a model shape this large does not finish under racecheck in 10 min)
             ("fixture", 5, torch.float32, 0.7, 2, "wide", "fp4r"),
             ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0, "trained", "fp4r"),
+            ("fixture", 80, torch.bfloat16, 0.6, 3, "trained", "fp4r>w2"),
         ]
     else:
         plan = []
@@ -300,6 +318,11 @@ def validate(gen, reduced: bool) -> list[dict]:
             plan.append((name, 8, torch.bfloat16, 0.6, 3, "trained", "fp4x-mxfp4"))
             plan.append((name, 33, torch.float32, 0.8, 5, "wide", "fp4r"))
             plan.append((name, 256, torch.bfloat16, 0.9, 7, "trained", "fp4r"))
+        for name in ("glm-5.2", "qwen3-235b-tp4", "fixture"):  # an FP4 pool preferred over W2
+            plan.append((name, 1, torch.float32, 0.7, 0, "trained", "fp4r>w2"))
+            plan.append((name, 8, torch.bfloat16, 0.6, 3, "wide", "fp4x-mxfp4>w2"))
+            plan.append((name, 33, torch.float32, 0.5, 5, "trained", "fp4r>w2"))
+            plan.append((name, 256, torch.bfloat16, 0.8, 7, "trained", "fp4r>w2"))
     for name, n_tok, dtype, resident, pad, scales, tier in plan:
         h, i, e, k = SHAPES[name]
         t0 = time.time()

@@ -406,28 +406,35 @@ __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
 
 // Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 8 per
 // job), pair flags, the miss counter and the routed mask. Blocks 1..: activation quantization.
+// Two tiers (fp4_slot_table non-null): an expert is computed from its FP4 slot where it has one,
+// else from its slot_table slot, else it is a miss (design.md, Residency). The FP4 tier's jobs
+// come first: n_jobs = {0, FP4 jobs, all jobs}, so the FP4 GEMMs take jobs [n_jobs[0], n_jobs[1])
+// and the other tier's [n_jobs[1], n_jobs[2]); job_slot holds the slot in that tier's pool.
 // The job lists are a stable counting sort: counts with shared-memory atomics (their order does
 // not matter), then tiles of 256 pairs placed by rank: a pair's place is the expert's pairs in
 // earlier tiles + in earlier warps of this tile + in lower lanes of its warp (match_any).
 template <typename T>
 __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
-                      const int* slot_table, int n_experts, const int* n_real, int* miss_count,
-                      uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot,
-                      int* job_pairs, uint8_t* pair_ok) {
+                      const int* slot_table, const int* fp4_slot_table, int n_experts,
+                      const int* n_real, int* miss_count, uint8_t* routed, int8_t* xq, float* xs,
+                      int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {
   pdl_enter();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS_R = ROUTE_THREADS / 32;
   if (blockIdx.x == 0) {
-    __shared__ int s_slot[MAX_EXPERTS];
-    __shared__ int s_cnt[MAX_EXPERTS];   // pass 1: pairs per expert; pass 2: pairs placed
-    __shared__ int s_base[MAX_EXPERTS];  // first job of each expert
+    __shared__ int s_slot[MAX_EXPERTS];     // the chosen tier's slot, -1: not resident
+    __shared__ uint8_t s_fp4[MAX_EXPERTS];  // the chosen tier is the FP4 one
+    __shared__ int s_cnt[MAX_EXPERTS];      // pass 1: pairs per expert; pass 2: pairs placed
+    __shared__ int s_base[MAX_EXPERTS];     // first job of each expert
     __shared__ uint8_t s_wcnt[WARPS_R][MAX_EXPERTS];  // this tile's pairs per (warp, expert)
     __shared__ int warp_sums[WARPS_R];
     __shared__ int s_total;
     constexpr int PER = MAX_EXPERTS / ROUTE_THREADS;  // experts owned by each thread
     const int n_pairs = n_tok * top_k;
     for (int e = tid; e < n_experts; e += ROUTE_THREADS) {
-      s_slot[e] = slot_table[e];
+      const int s4 = fp4_slot_table ? fp4_slot_table[e] : -1;
+      s_fp4[e] = s4 >= 0;
+      s_slot[e] = s4 >= 0 ? s4 : slot_table[e];
       s_cnt[e] = 0;
 #pragma unroll
       for (int w = 0; w < WARPS_R; ++w) s_wcnt[w][e] = 0;
@@ -439,23 +446,43 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     }
     __syncthreads();
     const int e0 = tid * PER;
-    int my_jobs = 0;
+    int fp4_mine = 0, other_mine = 0;  // this thread's experts' jobs, by tier
 #pragma unroll
-    for (int q = 0; q < PER; ++q)
-      if (e0 + q < n_experts && s_slot[e0 + q] >= 0) my_jobs += (s_cnt[e0 + q] + TOK - 1) / TOK;
-    int job = block_exclusive_scan(my_jobs, &s_total, warp_sums);
+    for (int q = 0; q < PER; ++q) {
+      const int e = e0 + q;
+      if (e >= n_experts || s_slot[e] < 0) continue;
+      const int nj = (s_cnt[e] + TOK - 1) / TOK;
+      if (s_fp4[e])
+        fp4_mine += nj;
+      else
+        other_mine += nj;
+    }
+    int fp4_job = block_exclusive_scan(fp4_mine, &s_total, warp_sums);
+    const int fp4_jobs = s_total;
+    __syncthreads();  // warp_sums and s_total are reused
+    int other_job = fp4_jobs + block_exclusive_scan(other_mine, &s_total, warp_sums);
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int e = e0 + q;
       if (e >= n_experts) break;
-      s_base[e] = job;
+      const bool fp4 = s_fp4[e];
+      const int base = fp4 ? fp4_job : other_job;
       const int nj = s_slot[e] >= 0 ? (s_cnt[e] + TOK - 1) / TOK : 0;
-      for (int j = 0; j < nj; ++j, ++job) {
-        job_slot[job] = s_slot[e];
-        for (int i = 0; i < TOK; ++i) job_pairs[job * TOK + i] = -1;
+      s_base[e] = base;
+      for (int j = base; j < base + nj; ++j) {
+        job_slot[j] = s_slot[e];
+        for (int i = 0; i < TOK; ++i) job_pairs[j * TOK + i] = -1;
       }
+      if (fp4)
+        fp4_job += nj;
+      else
+        other_job += nj;
     }
-    if (tid == 0) *n_jobs = s_total;
+    if (tid == 0) {
+      n_jobs[0] = 0;
+      n_jobs[1] = fp4_jobs;
+      n_jobs[2] = fp4_jobs + s_total;
+    }
     __syncthreads();  // every expert's count is read before it is reset
     for (int e = tid; e < n_experts; e += ROUTE_THREADS) s_cnt[e] = 0;
     __syncthreads();
@@ -516,13 +543,14 @@ __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(
 
 }  // namespace
 
-#define MOET_ROUTE(NAME, T)                                                                      \
-  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) NAME(                              \
-      const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,                \
-      const int* slot_table, int n_experts, const int* n_real, int* miss_count, uint8_t* routed, \
-      int8_t* xq, float* xs, int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {     \
-    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, n_experts, n_real, miss_count,  \
-             routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);                              \
+#define MOET_ROUTE(NAME, T)                                                                     \
+  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                   \
+      NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,          \
+           const int* slot_table, const int* fp4_slot_table, int n_experts, const int* n_real,  \
+           int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot, \
+           int* job_pairs, uint8_t* pair_ok) {                                                  \
+    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, fp4_slot_table, n_experts,     \
+             n_real, miss_count, routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);         \
   }
 MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
 MOET_ROUTE(moet_route_f16, __half)
@@ -534,14 +562,14 @@ template <class K>
 __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
                                     const int8_t* xq, const float* xs, int hidden_p, int top_k,
-                                    const int* n_jobs, const int* job_slot, const int* job_pairs,
+                                    const int* job_range, const int* job_slot, const int* job_pairs,
                                     float* h, int inter_p) {
   pdl_enter();
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int work = *n_jobs * n_units;
+  const int first = job_range[0], work = (job_range[1] - first) * n_units;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-    const int job = item / n_units, u = item % n_units;
+    const int job = first + item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
     const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
@@ -598,14 +626,14 @@ template <class K>
 __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                    long long off_scales, int n_groups, int nchunks,
                                    const int8_t* aq, const float* as, int inter_p,
-                                   const int* n_jobs, const int* job_slot, const int* job_pairs,
+                                   const int* job_range, const int* job_slot, const int* job_pairs,
                                    float* y, int hidden) {
   pdl_enter();
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int work = *n_jobs * n_groups;
+  const int first = job_range[0], work = (job_range[1] - first) * n_groups;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-    const int job = item / n_groups, rg = item % n_groups;
+    const int job = first + item / n_groups, rg = item % n_groups;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
     const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
@@ -632,20 +660,20 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
 }
 
 // Entry points: W2 rows and FP4 rows (fp4r, fp4x-mxfp4) share everything but the chunk type.
-#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                          \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(              \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,    \
-      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,    \
-      const int* n_jobs, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
-    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k, \
-           n_jobs, job_slot, job_pairs, h, inter_p);                                           \
-  }                                                                                            \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(               \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,    \
-      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,               \
-      const int* n_jobs, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
-    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, n_jobs, \
-          job_slot, job_pairs, y, hidden);                                                     \
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
+      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
+    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
+           job_range, job_slot, job_pairs, h, inter_p);                                           \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
+      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
+    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, job_range, \
+          job_slot, job_pairs, y, hidden);                                                        \
   }
 MOET_GEMMS(, Chunk, GEMM_BLOCKS)
 MOET_GEMMS(_fp4, ChunkFp4, GEMM_BLOCKS_FP4)

@@ -1,5 +1,6 @@
-"""tiered_moe_slots_reference: per expert the FP4 row where the FP4 pool holds it, else the W2
-row, else a miss (design.md, Residency), checked against a float64 loop over the chosen weights."""
+"""tiered_moe_slots_reference, and the op with an FP4 pool: per expert the FP4 row where the FP4
+pool holds it, else the W2 row, else a miss (design.md, Residency), checked against a float64
+loop over the chosen weights."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from moet_kernels.layout import NativeRowLayout, RowLayout
+from moet_kernels.ops import w2_moe_slots
 from moet_kernels.reference import (
     tier_dequant,
     tiered_moe_slots_reference,
@@ -133,3 +135,57 @@ def test_bad_tier_lists_are_refused() -> None:
         tiered_moe_slots_reference(
             x, ids, w, [(pool2, table2, lay2), (pool2, table2[:5], lay2)], *args
         )
+
+
+@pytest.mark.parametrize("fp4", ["fp4r", "fp4x-mxfp4"])
+def test_the_op_prefers_its_fp4_pool(fp4) -> None:
+    """w2_moe_slots(..., fp4_pool=, fp4_slot_table=, fp4_tier=) on the CPU: the float64 loop over
+    the FP4 row where the FP4 pool holds an expert, else the W2 row, else nothing."""
+    rng = np.random.default_rng(11)
+    s4, lay4, rows4 = tier_rows(rng, fp4, True)
+    s2, lay2, rows2 = tier_rows(rng, "w2", True)
+    in_fp4, in_w2 = [1, 2, 6, 7], [0, 2, 3, 7, 8]  # 2, 7 in both; 4, 5, 9 missing
+    pool4, table4 = pool_of(rng, rows4, in_fp4)
+    pool2, table2 = pool_of(rng, rows2, in_w2)
+    x = torch.from_numpy(rng.standard_normal((TOKENS, H)).astype(np.float32))
+    ids = torch.from_numpy(np.stack([rng.permutation(E)[:TOP_K] for _ in range(TOKENS)]))
+    w = torch.from_numpy(rng.random((TOKENS, TOP_K)).astype(np.float32))
+    n_real = torch.tensor([TOKENS - 1], dtype=torch.int32)
+    miss, routed = torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.uint8)
+    got = w2_moe_slots(x, ids, w, pool2, table2, H, INTER, n_real, miss, routed, "w2",
+                       pool4, table4, fp4)  # fmt: skip
+
+    def weights_of(e):
+        tier, sec = (fp4, s4) if e in in_fp4 else ("w2", s2) if e in in_w2 else (None, None)
+        if tier is None:
+            return None
+        return [tier_dequant(tier, *(torch.from_numpy(sec[f"{p}_{q}"][e]) for q in ("codes",
+                "scales"))) for p in ("w13", "w2")]  # fmt: skip
+
+    want = float64_moe(x, ids, w, weights_of)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-6
+    real = ids[: TOKENS - 1]
+    assert int(miss) == int(sum((real == e).sum() for e in (4, 5, 9)))
+    assert routed.tolist() == [int(e in real.unique().tolist()) for e in range(E)]
+
+
+def test_the_op_refuses_a_bad_fp4_tier() -> None:
+    rng = np.random.default_rng(12)
+    _, lay4, rows4 = tier_rows(rng, "fp4r", True)
+    _, lay2, rows2 = tier_rows(rng, "w2", True)
+    pool4, table4 = pool_of(rng, rows4, [0])
+    pool2, table2 = pool_of(rng, rows2, [1])
+    x, w = torch.zeros(2, H), torch.ones(2, TOP_K)
+    ids = torch.zeros(2, TOP_K, dtype=torch.long)
+    args = (x, ids, w, pool2, table2, H, INTER, torch.tensor([2], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.uint8), "w2")  # fmt: skip
+    with pytest.raises(ValueError, match="go together"):
+        w2_moe_slots(*args, pool4)
+    with pytest.raises(ValueError, match="fp4_tier must be one of"):
+        w2_moe_slots(*args, pool2, table2, "w2")
+    with pytest.raises(ValueError, match=r"fp4_pool must be uint8 \[n_slots, >= \d+\]"):
+        w2_moe_slots(*args, pool2, table4, "fp4r")  # W2 rows are shorter than fp4r rows
+    with pytest.raises(ValueError, match="fp4_slot_table has 5 experts"):
+        w2_moe_slots(*args, pool4, table4[:5], "fp4r")
+    with pytest.raises(TypeError, match="fp4_slot_table must be a contiguous torch.int32"):
+        w2_moe_slots(*args, pool4, table4.long(), "fp4r")

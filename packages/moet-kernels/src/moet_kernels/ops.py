@@ -1,17 +1,18 @@
 """The MoE op: the GPU kernels where they run, the torch reference elsewhere.
 
 `w2_moe_slots(x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens,
-miss_count, routed, tier="w2")` has the semantics of `reference.w2_moe_slots_reference` (tiered
-residency, design.md) over a pool of expert rows in `layout.NativeRowLayout(hidden, inter, tier)`:
-W2 rows, or FP4 rows of the `fp4r` / `fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32). On a
-CUDA device with the kernels it runs five launches (csrc/w2_moe.cu): route (job lists, miss
-counter, routed mask, int8 activations), w13 (SiLU(gate) * up in float32), requant (the down
-projection's int8 input), w2, combine; all buffers have fixed addresses per batch shape, so the
-op is CUDA-graph capturable once it has run eagerly for that shape (vLLM's warm-up does this).
-Elsewhere it runs the reference in `exact` mode and says so once.
+miss_count, routed, tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r")` has the
+semantics of `reference.tiered_moe_slots_reference` (tiered residency, design.md) over pools of
+expert rows in `layout.NativeRowLayout(hidden, inter, tier)`: W2 rows, or FP4 rows of the `fp4r` /
+`fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32), and optionally an FP4 pool preferred over
+them (FP4 slot > 2-bit slot > miss). On a CUDA device with the kernels it runs route (job lists
+by tier, miss counter, routed mask, int8 activations), w13 per tier (SiLU(gate) * up in float32),
+requant (the down projection's int8 input), w2 per tier, combine; all buffers have fixed
+addresses per batch shape, so the op is CUDA-graph capturable once it has run eagerly for that
+shape (vLLM's warm-up does this). Elsewhere it runs the reference in `exact` mode and says so
+once.
 
-It is registered as the torch custom op `moet::w2_moe_slots` with a fake (meta) implementation.
-"""
+It is registered as the torch custom op `moet::w2_moe_slots` with a fake (meta) implementation."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 
 from .layout import NativeRowLayout
 from .loader import kernels_available, load
-from .reference import w2_moe_slots_reference
+from .reference import tiered_moe_slots_reference
 
 log = logging.getLogger("moet_kernels")
 
@@ -56,6 +57,7 @@ _noted_fallback = False
 
 
 GEMM_KERNELS = {"w2": "", "fp4r": "_fp4", "fp4x-mxfp4": "_fp4"}  # tier -> kernel name suffix
+FP4_TIERS = ("fp4r", "fp4x-mxfp4")  # what fp4_pool may hold
 
 
 @functools.cache
@@ -83,7 +85,7 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
             weights=z(n_tok, top_k, dtype=torch.float32),
             xq=z(n_tok, lay.hidden_p, dtype=torch.int8),
             xs=z(n_tok, lay.hidden_p // CHUNK, dtype=torch.float32),
-            n_jobs=z(1, dtype=torch.int32),
+            n_jobs=z(3, dtype=torch.int32),  # {0, FP4-tier jobs, all jobs}
             job_slot=z(max_jobs, dtype=torch.int32),
             job_pairs=z(max_jobs, TOK, dtype=torch.int32),
             pair_ok=z(pairs, dtype=torch.uint8),
@@ -116,15 +118,19 @@ def _as(t: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tens
     return buffer
 
 
-def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed):
+def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
+    """The kernels over `tiers`: [(pool, slot_table, layout)] in order of preference (the FP4
+    tier first when there are two)."""
     dev = x.device
     n_tok, hidden = x.shape
     top_k = topk_ids.shape[1]
+    slot_table = tiers[-1][1]
     n_experts = slot_table.shape[0]
     if n_experts > MAX_EXPERTS:
         raise ValueError(f"the route kernel handles up to {MAX_EXPERTS} experts, got {n_experts}")
     if x.dtype not in OUT_KERNELS:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    lay = tiers[-1][2]
     mod = load(dev)
     ws = _workspace(dev, n_tok, top_k, lay, n_experts)
     ids = _as(topk_ids, torch.int32, ws.ids)
@@ -134,27 +140,33 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     kind = OUT_KERNELS[x.dtype]
     warps = n_tok * (lay.hidden_p // CHUNK)  # activation quantization: a warp per chunk
+    fp4_table = _ptr(tiers[0][1]) if len(tiers) == 2 else ctypes.c_void_p(0)
     mod.launch(
         f"moet_route_{kind}",
         1 + min(-(-warps // 8), 4 * mod.sms),
         256,
         [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ids), i32(top_k),
-         _ptr(slot_table), i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count), _ptr(routed),
-         _ptr(ws.xq), _ptr(ws.xs), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs),
-         _ptr(ws.pair_ok)],
+         _ptr(slot_table), fp4_table, i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count),
+         _ptr(routed), _ptr(ws.xq), _ptr(ws.xs), _ptr(ws.n_jobs), _ptr(ws.job_slot),
+         _ptr(ws.job_pairs), _ptr(ws.pair_ok)],
     )  # fmt: skip
-    slot_bytes = pool.stride(0)
+
+    def job_range(i: int) -> ctypes.c_void_p:  # route's n_jobs = {0, FP4 jobs, all jobs}
+        first = 0 if i == 0 and len(tiers) == 2 else 1
+        return ctypes.c_void_p(ws.n_jobs.data_ptr() + 4 * first)
+
     units = lay.inter // 32
-    gemm = GEMM_KERNELS[lay.tier.name]
-    mod.launch(
-        f"moet_w13{gemm}",
-        mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
-        128,
-        [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]),
-         i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p),
-         i32(top_k), _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs), _ptr(ws.h),
-         i32(lay.inter_p)],
-    )  # fmt: skip
+    for i, (pool, _, tl) in enumerate(tiers):
+        gemm = GEMM_KERNELS[tl.tier.name]
+        mod.launch(
+            f"moet_w13{gemm}",
+            mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
+            128,
+            [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets["w13_codes"]),
+             i64(tl.offsets["w13_scales"]), i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq),
+             _ptr(ws.xs), i32(lay.hidden_p), i32(top_k), job_range(i), _ptr(ws.job_slot),
+             _ptr(ws.job_pairs), _ptr(ws.h), i32(lay.inter_p)],
+        )  # fmt: skip
     pairs = n_tok * top_k
     mod.launch(
         "moet_requant",
@@ -164,14 +176,17 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
          _ptr(ws.as_)],
     )  # fmt: skip
     groups = lay.w2_rows // 64
-    mod.launch(
-        f"moet_w2{gemm}",
-        mod.persistent_grid(f"moet_w2{gemm}", 128, ws.max_jobs * groups),
-        128,
-        [_ptr(pool), i64(slot_bytes), i64(lay.offsets["w2_codes"]), i64(lay.offsets["w2_scales"]),
-         i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p),
-         _ptr(ws.n_jobs), _ptr(ws.job_slot), _ptr(ws.job_pairs), _ptr(ws.y), i32(hidden)],
-    )  # fmt: skip
+    for i, (pool, _, tl) in enumerate(tiers):
+        gemm = GEMM_KERNELS[tl.tier.name]
+        mod.launch(
+            f"moet_w2{gemm}",
+            mod.persistent_grid(f"moet_w2{gemm}", 128, ws.max_jobs * groups),
+            128,
+            [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets["w2_codes"]),
+             i64(tl.offsets["w2_scales"]), i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq),
+             _ptr(ws.as_), i32(lay.inter_p), job_range(i), _ptr(ws.job_slot), _ptr(ws.job_pairs),
+             _ptr(ws.y), i32(hidden)],
+        )  # fmt: skip
     mod.launch(
         f"moet_combine_{kind}",
         min(-(-(n_tok * hidden) // 256), 8 * mod.sms),
@@ -182,8 +197,8 @@ def _gpu(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_c
     return out
 
 
-def _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count,
-                routed):  # fmt: skip
+def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
+    lay = tiers[-1][2]
     if x.dim() != 2 or x.shape[1] != lay.hidden:
         raise ValueError(f"x must be [T, {lay.hidden}], got {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -191,23 +206,27 @@ def _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens,
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must "
             f"both be [T={x.shape[0]}, k]"
         )
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < lay.row_bytes:
-        raise ValueError(
-            f"pool must be uint8 [n_slots, >= {lay.row_bytes}] (NativeRowLayout rows), got "
-            f"{pool.dtype} {tuple(pool.shape)}"
-        )
-    if pool.stride(1) != 1:
-        raise ValueError("pool rows must be contiguous")
-    for name, t, dtype in (
-        ("slot_table", slot_table, torch.int32),
-        ("n_real_tokens", n_real_tokens, torch.int32),
-        ("miss_count", miss_count, torch.int32),
-        ("routed", routed, torch.uint8),
-    ):
+    checks = [("n_real_tokens", n_real_tokens, torch.int32), ("miss_count", miss_count, torch.int32),
+              ("routed", routed, torch.uint8)]  # fmt: skip
+    for pool, table, tl in tiers:
+        name = "pool" if tl is lay else "fp4_pool"
+        if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < tl.row_bytes:
+            raise ValueError(
+                f"{name} must be uint8 [n_slots, >= {tl.row_bytes}] (NativeRowLayout rows of "
+                f"tier {tl.tier.name}), got {pool.dtype} {tuple(pool.shape)}"
+            )
+        if pool.stride(1) != 1:
+            raise ValueError(f"{name} rows must be contiguous")
+        checks.append(("slot_table" if tl is lay else "fp4_slot_table", table, torch.int32))
+    for name, t, dtype in checks:
         if t.dtype != dtype or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous {dtype} tensor, got {t.dtype}")
-    if routed.shape[0] != slot_table.shape[0]:
-        raise ValueError(f"routed has {routed.shape[0]} experts, slot_table {slot_table.shape[0]}")
+    for _, table, tl in tiers:
+        if table.shape != routed.shape:
+            which = "slot_table" if tl is lay else "fp4_slot_table"
+            raise ValueError(
+                f"{which} has {table.shape[0]} experts, routed {routed.shape[0]}: both are [E]"
+            )
 
 
 @torch.library.custom_op("moet::w2_moe_slots", mutates_args=("miss_count", "routed"))
@@ -223,34 +242,45 @@ def w2_moe_slots(
     miss_count: torch.Tensor,
     routed: torch.Tensor,
     tier: str = "w2",
+    fp4_pool: torch.Tensor | None = None,
+    fp4_slot_table: torch.Tensor | None = None,
+    fp4_tier: str = "fp4r",
 ) -> torch.Tensor:
-    """The routed-experts output [T, H] in x's dtype (module docstring)."""
+    """The routed-experts output [T, H] in x's dtype (module docstring). With `fp4_pool` and
+    `fp4_slot_table`, an expert with an FP4 slot is computed from it (rows of `fp4_tier`), else
+    from its `slot_table` slot, else it is a miss: FP4 slot > 2-bit slot > miss."""
     global _noted_fallback
-    if tier not in GEMM_KERNELS:
-        raise ValueError(f"tier {tier!r} has no kernels; kernel tiers: {', '.join(GEMM_KERNELS)}")
-    lay = native_layout(hidden, inter, tier)
-    _check_args(x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed)
+    for name, t in (("tier", tier), ("fp4_tier", fp4_tier)):
+        if t not in GEMM_KERNELS:
+            raise ValueError(
+                f"{name} {t!r} has no kernels; kernel tiers: {', '.join(GEMM_KERNELS)}"
+            )
+    tiers = [(pool, slot_table, native_layout(hidden, inter, tier))]
+    if (fp4_pool is None) != (fp4_slot_table is None):
+        raise ValueError("fp4_pool and fp4_slot_table go together: pass both or neither")
+    if fp4_pool is not None:
+        if fp4_tier not in FP4_TIERS:
+            raise ValueError(f"fp4_tier must be one of {', '.join(FP4_TIERS)}, got {fp4_tier!r}")
+        tiers.insert(0, (fp4_pool, fp4_slot_table, native_layout(hidden, inter, fp4_tier)))
+    _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed)
     if x.is_cuda:
         ok, why = _available(x.device.index)
         if ok:
-            return _gpu(
-                x, topk_ids, topk_weights, pool, slot_table, lay, n_real_tokens, miss_count, routed
-            )
+            return _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed)
     else:
         why = "tensors are on the CPU"
     if not _noted_fallback:
         log.info("moet-kernels: %s; using the torch reference (exact mode)", why)
         _noted_fallback = True
-    return w2_moe_slots_reference(
-        x, topk_ids, topk_weights, pool, slot_table, lay, int(n_real_tokens[0]), miss_count,
-        routed,
-    ).to(x.dtype)  # fmt: skip
+    return tiered_moe_slots_reference(
+        x, topk_ids, topk_weights, tiers, int(n_real_tokens[0]), miss_count, routed
+    ).to(x.dtype)
 
 
 @w2_moe_slots.register_fake
 def _(
     x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens, miss_count, routed,
-    tier="w2",
+    tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r",
 ):  # fmt: skip
     return x.new_empty(x.shape[0], hidden)
 
