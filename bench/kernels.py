@@ -341,6 +341,41 @@ def validate(gen, reduced: bool) -> list[dict]:
     return results
 
 
+def refinement_check() -> dict:
+    """The refinement tier's fetch-time expansion (layout.expand_refinement) on the GPU: equal to
+    moet-quant's CPU inverse on a GLM-5.2-shaped gate/up projection (2I x H), and its time."""
+    import numpy as np
+
+    from moet_kernels.layout import expand_refinement
+    from moet_quant import fp4 as qfp4
+    from moet_quant.numerics import pack_nibbles
+
+    h, i = SHAPES["glm-5.2"][:2]
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, h))
+    w[rng.random(w.shape) < 0.05] = 0.0
+    base, nib = qfp4.fp4r(w, "auto")
+    rows = 2 * i // 256  # the 256 rows tiled to a whole projection: still a valid plane
+    codes = torch.from_numpy(np.tile(base.codes, (rows, 1))).cuda()
+    plane = torch.from_numpy(np.tile(qfp4.refinement_plane(nib), (rows, 1))).cuda()
+    got = expand_refinement(codes, plane)
+    equal = bool(np.array_equal(got.cpu().numpy(), np.tile(pack_nibbles(nib), (rows, 1))))
+    times = []
+    for _ in range(7):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        expand_refinement(codes, plane)
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en))
+    ms = sorted(times[2:])[2]
+    out = {"shape": [2 * i, h], "equal_to_moet_quant": equal, "ms_per_projection": ms,
+           "ms_per_expert_estimate": ms * 1.5,  # w2 [H, I] has half w13's weights
+           "plane_bytes": int(plane.numel())}  # fmt: skip
+    print(f"refinement expansion on the GPU: equal={equal}, {ms:.2f} ms per {2 * i}x{h} projection")
+    return out
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second (median of 20)."""
     n = 2 << 30
@@ -456,7 +491,7 @@ def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="result folder (default bench/results/kernels/)")
-    ap.add_argument("--only", choices=("validate", "time"))
+    ap.add_argument("--only", choices=("validate", "time", "refine"))
     ap.add_argument("--sanitize", action="store_true", help="reduced validation only")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
@@ -474,9 +509,16 @@ def main() -> int:
         res = validate(gen, reduced=True)
         return 0 if all(r["ok"] for r in res) else 1
     ok = True
+    if args.only == "refine":
+        report["refinement"] = refinement_check()
+        ok = report["refinement"]["equal_to_moet_quant"]
     if args.only in (None, "validate"):
         report["validation"] = validate(gen, reduced=False)
-        ok = all(r["ok"] for r in report["validation"])
+        report["refinement"] = refinement_check()
+        ok = (
+            all(r["ok"] for r in report["validation"])
+            and report["refinement"]["equal_to_moet_quant"]
+        )
         print(f"validation: {sum(r['ok'] for r in report['validation'])}/"
               f"{len(report['validation'])} cases ok")  # fmt: skip
     if args.only in (None, "time"):

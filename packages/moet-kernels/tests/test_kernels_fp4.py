@@ -22,8 +22,11 @@ from moet_kernels.layout import (
     NVFP4_LAYOUT_ID,
     SECTION_ALIGN,
     TIERS,
+    NativeRowLayout,
     RowLayout,
+    expand_refinement,
 )
+from moet_kernels.ops import w2_moe_slots
 from moet_kernels.reference import (
     E2M1_LEVELS,
     _kernel_weights,
@@ -370,6 +373,37 @@ def test_corrupt_refinement_planes_are_refused():
         refined_codes(torch.from_numpy(codes), torch.zeros(1, 4, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("shape", [(48, 96), (3, 32, 160)])
+def test_expand_refinement_is_moet_quants_inverse_in_torch(shape):
+    rng = np.random.default_rng(sum(shape))
+    w = rng.standard_normal((int(np.prod(shape[:-1])), shape[-1]))
+    w[rng.random(w.shape) < 0.1] = 0.0
+    w[:, 7] *= 1e-3
+    base, nib = qfp4.fp4r(w, "auto")
+    refine = qfp4.refinement_plane(nib)
+    lead = shape[:-1]
+    codes = torch.from_numpy(base.codes).reshape(*lead, -1)
+    plane = torch.from_numpy(refine).reshape(*lead, -1)
+    got = expand_refinement(codes, plane)
+    assert got.dtype == torch.uint8 and tuple(got.shape) == (*lead, shape[-1] // 2)
+    np.testing.assert_array_equal(got.reshape(w.shape[0], -1).numpy(), pack_nibbles(nib))
+    assert torch.equal(got, refined_codes(codes, plane))  # the oracle, moet-quant's numpy
+
+
+def test_expand_refinement_refuses_corrupt_planes():
+    codes = torch.zeros(1, 4, dtype=torch.uint8)  # code 0 = -4: digits must be 0..2
+    refine = torch.zeros(1, 5, dtype=torch.uint8)
+    refine[0, 0] = 3  # digit 3 for a +-4 code
+    with pytest.raises(ValueError, match="digit > 2 under a"):
+        expand_refinement(codes, refine)
+    with pytest.raises(ValueError, match=">= 625"):
+        expand_refinement(codes, torch.full((1, 5), 255, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"must be \[1, 5\].*got \[1, 4\]"):
+        expand_refinement(codes, torch.zeros(1, 4, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="must be uint8"):
+        expand_refinement(codes.int(), refine)
+
+
 def test_decoders_refuse_bad_shapes():
     with pytest.raises(ValueError, match=r"\[\.\.\., N, K/2\].*\[\.\.\., N, K/32\]"):
         fp4_dequant(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
@@ -667,6 +701,30 @@ def test_fp4_pool_misses_are_zeroed_counted_and_marked(tier, seed):
     assert set(torch.nonzero(routed).flatten().tolist()) == set(ids[:n_real].flatten().tolist())
     zeroed = torch.where(missing, torch.zeros_like(w), w)
     assert torch.equal(out, w2_moe_reference(x, ids, zeroed, w13, w2, tier=tier))
+
+
+def test_refined_rows_expanded_to_fp4r_serve_the_refinement_tier():
+    """The refinement tier through the kernels' path: W2 rows + refinement planes expanded into
+    native fp4r rows (`pack_refined`) give the op exactly what the refinement tier's reference
+    (refinement rows with their W2 base rows) gives."""
+    rng, w13, w2, x, ids, w = slots_case("fp4r-refine", 60, 7)
+    lay, pool, table, base = pools_for("fp4r-refine", rng, w13, w2, list(range(E)))
+    miss, routed = torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.uint8)
+    want = w2_moe_slots_reference(x, ids, w, pool, table, lay, 7, miss, routed, base=base)
+    native = NativeRowLayout(H, INTER, "fp4r")
+    rows = native.pack_refined(
+        w13_codes=w13[0], w13_scales=w13[1], w13_refine=w13[2],
+        w2_codes=w2[0], w2_scales=w2[1], w2_refine=w2[2],
+    )  # fmt: skip
+    fpool, ftable = pool_of(rng, rows.numpy(), list(range(E)))
+    miss2, routed2 = torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.uint8)
+    got = w2_moe_slots(x, ids, w, fpool, ftable, H, INTER, torch.tensor([7], dtype=torch.int32),
+                       miss2, routed2, "fp4r")  # fmt: skip
+    assert torch.equal(got, want) and got.abs().max() > 0
+    with pytest.raises(ValueError, match="pack_refined makes fp4r rows"):
+        NativeRowLayout(H, INTER).pack_refined(w13_codes=w13[0])
+    with pytest.raises(ValueError, match="pack_refined takes the sections"):
+        native.pack_refined(w13_codes=w13[0], w13_scales=w13[1])
 
 
 def test_refinement_pool_needs_its_base_and_pools_are_checked():

@@ -74,6 +74,7 @@ NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v2"
 NATIVE_FP4_LAYOUT_ID = "mma-s8-m16k32-g64c128-e2m1-v1"
 
 __all__ = [
+    "expand_refinement",
     "FAST_SPREAD",
     "FP4R",
     "FP4R_LAYOUT_ID",
@@ -533,6 +534,43 @@ def slow_tile_fraction(native_scales) -> float:
 NATIVE_TIERS = (W2, FP4R, MXFP4)  # the tiers with a kernel-native layout
 
 
+def expand_refinement(codes: torch.Tensor, refine: torch.Tensor) -> torch.Tensor:
+    """The `fp4r` e2m1 nibbles, packed uint8 [..., N, K/2] (low nibble = even k), rebuilt in torch
+    on the tensors' device from W2 codes uint8 [..., N, K/4] and the refinement plane uint8
+    [..., N, 5K/16] (moet_quant.fp4: a base-5 digit per weight picks the magnitude inside the class
+    the 2-bit code gives; 4 digits per 10-bit group, 4 groups per 5 bytes, little-endian). This is
+    how the refinement tier reaches the kernels: hosts keep the 2.5-bit plane, a fetch expands it
+    next to the W2 row into an fp4r row (`NativeRowLayout.pack_refined`). A corrupt plane (a group
+    >= 625, a digit > 2 under a +-4 code) raises ValueError; nothing is returned then."""
+    if codes.dtype != torch.uint8 or refine.dtype != torch.uint8 or codes.dim() < 2:
+        raise ValueError(
+            f"codes and refine must be uint8 [..., N, K/4] and [..., N, 5K/16], got "
+            f"{codes.dtype} {tuple(codes.shape)} and {refine.dtype} {tuple(refine.shape)}"
+        )
+    k = 4 * codes.shape[-1]
+    if k % 16 or tuple(refine.shape) != (*codes.shape[:-1], 5 * k // 16):
+        raise ValueError(
+            f"a refinement plane for codes {tuple(codes.shape)} (K={k}) must be "
+            f"{[*codes.shape[:-1], 5 * k // 16]} (K a multiple of 16), got {list(refine.shape)}"
+        )
+    lead = codes.shape[:-1]
+    shifts = torch.arange(0, 8, 2, device=codes.device, dtype=torch.uint8)
+    c = ((codes.unsqueeze(-1) >> shifts) & 3).reshape(*lead, k)
+    b = refine.reshape(*lead, k // 16, 5).long()
+    word = sum(b[..., i] << (8 * i) for i in range(5))  # 40 bits: 4 groups of 10
+    group = (word.unsqueeze(-1) >> torch.arange(0, 40, 10, device=codes.device)) & 0x3FF
+    if bool((group >= 625).any()):
+        raise ValueError("refinement plane: a 10-bit group >= 625 (corrupt data)")
+    powers = torch.tensor([1, 5, 25, 125], device=codes.device)
+    digit = ((group.unsqueeze(-1) // powers) % 5).reshape(*lead, k)
+    big = (c == 0) | (c == 3)  # codes -4, +4: magnitudes 3, 4, 6 (grid indices 5..7)
+    if bool((big & (digit > 2)).any()):
+        raise ValueError("refinement plane: a digit > 2 under a +-4 code (corrupt data)")
+    nib = ((c < 2).long() << 3) | (digit + torch.where(big, 5, 0))  # 5: the grid index of 3.0
+    nib = nib.to(torch.uint8)
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
 def _native_tier(tier: str | Tier) -> Tier:
     t = TIERS.get(tier) if isinstance(tier, str) else tier
     if t not in NATIVE_TIERS:
@@ -629,6 +667,22 @@ class NativeRowLayout:
         for name, data in zip(SECTIONS, (*w13, *w2)):
             rows[:, self.offsets[name] : self.offsets[name] + data.shape[1]] = data
         return rows.numpy() if as_numpy else rows
+
+    def pack_refined(self, **arrays) -> torch.Tensor:
+        """fp4r rows from the refinement tier: the W2 sections (w13_codes, w13_scales, w2_codes,
+        w2_scales) and the refinement planes (w13_refine, w2_refine), tensors [E, ...] ->
+        native fp4r rows on their device (`expand_refinement`, then `pack`)."""
+        if self.tier is not FP4R:
+            raise ValueError(f"pack_refined makes fp4r rows; this layout is {self.tier.name}'s")
+        want = {"w13_codes", "w13_scales", "w2_codes", "w2_scales", "w13_refine", "w2_refine"}
+        if set(arrays) != want:
+            raise ValueError(f"pack_refined takes the sections {sorted(want)}, got {list(arrays)}")
+        return self.pack(
+            w13_codes=expand_refinement(arrays["w13_codes"], arrays["w13_refine"]),
+            w13_scales=arrays["w13_scales"],
+            w2_codes=expand_refinement(arrays["w2_codes"], arrays["w2_refine"]),
+            w2_scales=arrays["w2_scales"],
+        )
 
     def slow_tile_fractions(self, row) -> dict[str, float]:
         """One native row (numpy or torch, 1-D) -> the fraction of slow (row tile, chunk) pairs of
