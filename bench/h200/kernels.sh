@@ -20,7 +20,7 @@ for tool in "${tools[@]}"; do
   timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 --report-api-errors no python3 bench/kernels.py \
     --sanitize >"$out/$tool.log" 2>&1
   echo "compute-sanitizer $tool: exit $?"
-  grep -E "^========= (Invalid|Program hit|Race|Error|ERROR SUMMARY)|^=========     at " \
+  grep -E "^========= (Invalid|Program hit|Race|Error|ERROR SUMMARY|RACECHECK SUMMARY)|^=========     at " \
     "$out/$tool.log" | sort | uniq -c | sort -rn | head -12
 done
 if [ "${NCU:-0}" = 1 ]; then  # where the w13/w2 time goes: Nsight Compute on one decode layer
