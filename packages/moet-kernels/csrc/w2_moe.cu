@@ -158,16 +158,9 @@ __device__ __forceinline__ void tile_mma(uint32_t (&acc)[4], const Chunk& k, int
   const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
   const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
   const uint32_t w = word_of(k.cw[rt], tt);
-#ifdef MOET_SEL_IMAD  // right shifts as IMAD.HI (the FMA pipe) instead of SHF (the ALU pipe)
-  const uint32_t lo = w & 0x7777u, hi = __umulhi(w, 1u << 30) & 0x7777u;
-  const uint32_t lo2 = __umulhi(w, 1u << 16) & 0x7777u, hi2 = __umulhi(w, 1u << 14) & 0x7777u;
-  mma_s8(acc, __byte_perm(tab, tab, lo), __byte_perm(tab8, tab8, hi), __byte_perm(tab, tab, lo2),
-         __byte_perm(tab8, tab8, hi2), b0, b1);
-#else
   const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
   mma_s8(acc, __byte_perm(tab, tab, lo), __byte_perm(tab8, tab8, hi),
          __byte_perm(tab, tab, lo >> 16), __byte_perm(tab8, tab8, hi >> 16), b0, b1);
-#endif
 }
 
 // f[rt][0..3] += the int32 sums acc (biased by MAGIC) x the scales of rows g / g+8 (s, s8) and of
