@@ -299,24 +299,22 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, i
   }
 }
 
-// One warp's share (chunks c0 + warp, c0 + warp + 4, ... below nchunks) of a 64-row x K tile
-// product against up to 8 activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3),
-// columns 2*tig and 2*tig+1. The next chunk's loads are issued before the current chunk's math
-// (two chunks in flight).
+// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
+// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
+// The next chunk's loads are issued before the current chunk's math (two chunks in flight).
 template <class K>
 __device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
-                                       const uint8_t* scales, int c0, int nchunks,
-                                       const int8_t* act_g, const float* as0, const float* as1,
-                                       int warp, int lane) {
+                                       const uint8_t* scales, int nchunks, const int8_t* act_g,
+                                       const float* as0, const float* as1, int warp, int lane) {
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
     for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
-  if (c0 + warp >= nchunks) return;
+  if (warp >= nchunks) return;
   K a, b;  // ping-pong: no register copies between iterations
-  load_chunk(a, codes, scales, c0 + warp, act_g, as0, as1, lane);
+  load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
 #pragma unroll 1
-  for (int c = c0 + warp; c < nchunks; c += 2 * WARPS) {
+  for (int c = warp; c < nchunks; c += 2 * WARPS) {
     if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
     mma_chunk(f, a, lane & 3);
     if (c + WARPS >= nchunks) break;
@@ -560,25 +558,18 @@ MOET_ROUTE(moet_route_f32, float)
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
-// ksplit = 2 (the op chooses it where whole units would leave much of the grid idle: batch 1):
-// each unit is two work items, the two halves of K; the first CTA to finish one leaves its
-// partial sums in `partial` and counts itself in `arrivals`, the second adds them (two floats add
-// the same in either order), resets the count for the next launch and finishes the unit. Results
-// depend on ksplit, which the op takes from the batch shape and the GPU, never on the grid.
 template <class K>
 __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
                                     const int8_t* xq, const float* xs, int hidden_p, int top_k,
                                     const int* job_range, const int* job_slot, const int* job_pairs,
-                                    float* h, int inter_p, int ksplit, float* partial,
-                                    int* arrivals) {
+                                    float* h, int inter_p) {
   pdl_enter();
   __shared__ float red[WARPS][16][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int first = job_range[0], work = (job_range[1] - first) * n_units * ksplit;
+  const int first = job_range[0], work = (job_range[1] - first) * n_units;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-    const int unit = item / ksplit, part = item % ksplit;  // unit: (job, u) of this launch
-    const int job = first + unit / n_units, u = unit % n_units;
+    const int job = first + item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
     const int* pairs = job_pairs + job * TOK;
     const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
@@ -587,28 +578,10 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, l
     const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
     float f[4][4];
     gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes,
-              row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, part * nchunks / ksplit,
-              (part + 1) * nchunks / ksplit, act_g, as0, as1, warp, lane);
+              row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+              lane);
     reduce_warps(f, red, warp, lane);
-    bool last = true;
-    if (warp == 0 && ksplit == 2) {
-      float* mine = partial + ((size_t)unit * 2 + part) * 512;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mine[i * 32 + lane] = f[i >> 2][i & 3];
-      __threadfence();  // the partial is visible before the count says so
-      int before = 0;
-      if (lane == 0) before = atomicAdd(&arrivals[unit], 1);
-      last = __shfl_sync(0xffffffffu, before, 0) == 1;
-      if (last) {
-        __threadfence();
-        const float* other = partial + ((size_t)unit * 2 + 1 - part) * 512;
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          f[i >> 2][i & 3] = __fadd_rn(f[i >> 2][i & 3], __ldcg(other + i * 32 + lane));
-        if (lane == 0) arrivals[unit] = 0;
-      }
-    }
-    if (warp == 0 && last) {
+    if (warp == 0) {
       // f[rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8, 16+g,
       // 24+g of this unit; columns 2tig (j even) and 2tig+1
 #pragma unroll
@@ -669,8 +642,8 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
     const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
     float f[4][4];
     gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes,
-              row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, 0, nchunks, act_g, as0, as1,
-              warp, lane);
+              row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
+              lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
 #pragma unroll
@@ -691,10 +664,9 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
       int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p,     \
-      int ksplit, float* partial, int* arrivals) {                                                \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
     w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
-           job_range, job_slot, job_pairs, h, inter_p, ksplit, partial, arrivals);                \
+           job_range, job_slot, job_pairs, h, inter_p);                                           \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \

@@ -483,15 +483,3 @@ def test_w2_dequant_agrees_with_native_views() -> None:
         w2_dequant(v["w2_codes"], v["w2_scales"]),
         w2_dequant(torch.from_numpy(sec["w2_codes"][1]), torch.from_numpy(sec["w2_scales"][1])),
     )
-
-
-def test_w13_splits_k_only_where_it_saves_rounds() -> None:
-    """The op's choice of w13's K split (ops._ksplit), from the H200's grid: GLM-5.2's 576 worst-
-    case units at batch 1 take 2 rounds of 396 CTAs whole, 1.5 in halves; at batch 8 (4608 units)
-    halves save nothing; the FP4 kernels' 264 CTAs split at batch 1 too."""
-    from moet_kernels.ops import _ksplit
-
-    assert _ksplit(396, 9 * 64) == 2
-    assert _ksplit(396, 72 * 64) == 1
-    assert _ksplit(264, 9 * 64) == 2
-    assert _ksplit(396, 396) == 1  # one full round either way

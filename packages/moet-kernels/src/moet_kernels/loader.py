@@ -146,9 +146,9 @@ class Module:
             )
         return self._functions[name]
 
-    def slots(self, name: str, block: int) -> int:
-        """How many CTAs of `block` threads of kernel `name` fit on the GPU at once (the driver's
-        occupancy, asked once per kernel)."""
+    def persistent_grid(self, name: str, block: int, work: int) -> int:
+        """CTAs for a persistent kernel: `work` items, at most as many CTAs of `block` threads
+        as fit on the GPU at once (the driver's occupancy, asked once per kernel)."""
         from cuda.bindings import driver
 
         key = (name, block)
@@ -158,11 +158,7 @@ class Module:
                 f"occupancy of {name}",
             )
             self._grids[key] = int(per_sm) * self.sms
-        return self._grids[key]
-
-    def persistent_grid(self, name: str, block: int, work: int) -> int:
-        """CTAs for a persistent kernel: `work` items, at most `slots` (and the grid cap)."""
-        return max(1, min(work, self.slots(name, block), self._grid_cap))
+        return max(1, min(work, self._grids[key], self._grid_cap))
 
     _grid_cap = 1 << 30
 

@@ -50,8 +50,6 @@ class _Workspace:
     as_: torch.Tensor
     y: torch.Tensor
     max_jobs: int
-    partial: torch.Tensor | None = None  # w13's K halves (ksplit 2): [units, 2, 512] float32
-    arrivals: torch.Tensor | None = None  # [units] int32, back to 0 after every launch
 
 
 _workspaces: dict[tuple, _Workspace] = {}  # per (device, batch shape): fixed addresses
@@ -67,27 +65,15 @@ def native_layout(hidden: int, inter: int, tier: str = "w2") -> NativeRowLayout:
     return NativeRowLayout(hidden, inter, tier)
 
 
-def _check_not_capturing(n_tok: int) -> None:
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"moet::w2_moe_slots: no buffers for {n_tok} tokens yet; run the op once "
-            "eagerly with this batch size before capturing a CUDA graph"
-        )
-
-
-def _ksplit(slots: int, units: int) -> int:
-    """w13's K in two halves (2) where that takes at least 15% fewer rounds of the grid's `slots`
-    than whole `units` (GLM-5.2 at batch 1: 2 rounds of 576 units on 396 CTAs become 3 half-length
-    ones), else 1. It depends on the batch shape and the GPU only, so results do too."""
-    whole, halves = -(-units // slots), -(-2 * units // slots) / 2
-    return 2 if halves <= 0.85 * whole else 1
-
-
 def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
     key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts)  # the same buffers for any tier
     ws = _workspaces.get(key)
     if ws is None:
-        _check_not_capturing(n_tok)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"moet::w2_moe_slots: no buffers for {n_tok} tokens yet; run the op once "
+                "eagerly with this batch size before capturing a CUDA graph"
+            )
         pairs = n_tok * top_k
         max_jobs = -(-pairs // TOK) + min(n_experts, pairs)
 
@@ -123,9 +109,6 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-_NULL = ctypes.c_void_p(0)
-
-
 def _as(t: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tensor:
     """t itself where the kernels can read it (no copy node in the graph: vLLM's router gives
     int32 ids and float32 weights), else copied into the workspace's fixed buffer."""
@@ -157,7 +140,7 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     kind = OUT_KERNELS[x.dtype]
     warps = n_tok * (lay.hidden_p // CHUNK)  # activation quantization: a warp per chunk
-    fp4_table = _ptr(tiers[0][1]) if len(tiers) == 2 else _NULL
+    fp4_table = _ptr(tiers[0][1]) if len(tiers) == 2 else ctypes.c_void_p(0)
     mod.launch(
         f"moet_route_{kind}",
         1 + min(-(-warps // 8), 4 * mod.sms),
@@ -174,21 +157,15 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
 
     units = lay.inter // 32
     for i, (pool, _, tl) in enumerate(tiers):
-        w13 = f"moet_w13{GEMM_KERNELS[tl.tier.name]}"
-        ksplit = _ksplit(mod.slots(w13, 128), ws.max_jobs * units)
-        if ksplit == 2 and ws.partial is None:
-            _check_not_capturing(n_tok)
-            ws.partial = torch.empty(ws.max_jobs * units * 2 * 512, device=dev)
-            ws.arrivals = torch.zeros(ws.max_jobs * units, dtype=torch.int32, device=dev)
-        split = [_ptr(ws.partial), _ptr(ws.arrivals)] if ksplit == 2 else [_NULL, _NULL]
+        gemm = GEMM_KERNELS[tl.tier.name]
         mod.launch(
-            w13,
-            mod.persistent_grid(w13, 128, ws.max_jobs * units * ksplit),
+            f"moet_w13{gemm}",
+            mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
             128,
             [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets["w13_codes"]),
              i64(tl.offsets["w13_scales"]), i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq),
              _ptr(ws.xs), i32(lay.hidden_p), i32(top_k), job_range(i), _ptr(ws.job_slot),
-             _ptr(ws.job_pairs), _ptr(ws.h), i32(lay.inter_p), i32(ksplit), *split],
+             _ptr(ws.job_pairs), _ptr(ws.h), i32(lay.inter_p)],
         )  # fmt: skip
     pairs = n_tok * top_k
     mod.launch(
