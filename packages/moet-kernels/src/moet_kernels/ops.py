@@ -151,22 +151,24 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
          _ptr(ws.job_pairs), _ptr(ws.pair_ok)],
     )  # fmt: skip
 
-    def job_range(i: int) -> ctypes.c_void_p:  # route's n_jobs = {0, FP4 jobs, all jobs}
-        first = 0 if i == 0 and len(tiers) == 2 else 1
-        return ctypes.c_void_p(ws.n_jobs.data_ptr() + 4 * first)
+    def gemms(proj: str, units: int, k: int, inputs: list, outputs: list) -> None:
+        """moet_w13 or moet_w2 once per tier, each over its jobs: route's n_jobs holds {0, FP4
+        jobs, all jobs}, so the FP4 tier's range starts at n_jobs[0], the other's at n_jobs[1]."""
+        for i, (pool, _, tl) in enumerate(tiers):
+            name = f"moet_{proj}{GEMM_KERNELS[tl.tier.name]}"
+            first = 0 if i == 0 and len(tiers) == 2 else 1
+            mod.launch(
+                name,
+                mod.persistent_grid(name, 128, ws.max_jobs * units),
+                128,
+                [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets[f"{proj}_codes"]),
+                 i64(tl.offsets[f"{proj}_scales"]), i32(units), i32(k // CHUNK), *inputs,
+                 ctypes.c_void_p(ws.n_jobs.data_ptr() + 4 * first), _ptr(ws.job_slot),
+                 _ptr(ws.job_pairs), *outputs],
+            )  # fmt: skip
 
-    units = lay.inter // 32
-    for i, (pool, _, tl) in enumerate(tiers):
-        gemm = GEMM_KERNELS[tl.tier.name]
-        mod.launch(
-            f"moet_w13{gemm}",
-            mod.persistent_grid(f"moet_w13{gemm}", 128, ws.max_jobs * units),
-            128,
-            [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets["w13_codes"]),
-             i64(tl.offsets["w13_scales"]), i32(units), i32(lay.hidden_p // 128), _ptr(ws.xq),
-             _ptr(ws.xs), i32(lay.hidden_p), i32(top_k), job_range(i), _ptr(ws.job_slot),
-             _ptr(ws.job_pairs), _ptr(ws.h), i32(lay.inter_p)],
-        )  # fmt: skip
+    gemms("w13", lay.inter // 32, lay.hidden_p,
+          [_ptr(ws.xq), _ptr(ws.xs), i32(lay.hidden_p), i32(top_k)], [_ptr(ws.h), i32(lay.inter_p)])  # fmt: skip
     pairs = n_tok * top_k
     mod.launch(
         "moet_requant",
@@ -175,18 +177,8 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
         [_ptr(ws.h), _ptr(ws.pair_ok), i32(pairs), i32(lay.inter), i32(lay.inter_p), _ptr(ws.aq),
          _ptr(ws.as_)],
     )  # fmt: skip
-    groups = lay.w2_rows // 64
-    for i, (pool, _, tl) in enumerate(tiers):
-        gemm = GEMM_KERNELS[tl.tier.name]
-        mod.launch(
-            f"moet_w2{gemm}",
-            mod.persistent_grid(f"moet_w2{gemm}", 128, ws.max_jobs * groups),
-            128,
-            [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets["w2_codes"]),
-             i64(tl.offsets["w2_scales"]), i32(groups), i32(lay.inter_p // 128), _ptr(ws.aq),
-             _ptr(ws.as_), i32(lay.inter_p), job_range(i), _ptr(ws.job_slot), _ptr(ws.job_pairs),
-             _ptr(ws.y), i32(hidden)],
-        )  # fmt: skip
+    gemms("w2", lay.w2_rows // 64, lay.inter_p, [_ptr(ws.aq), _ptr(ws.as_), i32(lay.inter_p)],
+          [_ptr(ws.y), i32(hidden)])  # fmt: skip
     mod.launch(
         f"moet_combine_{kind}",
         min(-(-(n_tok * hidden) // 256), 8 * mod.sms),
