@@ -263,6 +263,21 @@ def test_parse_res_usage() -> None:
     assert got["k"]["REG"] == 91 and got["k"]["SHARED"] == 9216 and got["k"]["CONSTANT"] == 600
 
 
+def test_parse_kparams_orders_by_ordinal() -> None:
+    rec = (
+        "\t<0x{i}>\n\tAttribute:\tEIATTR_KPARAM_INFO\n\tFormat:\tEIFMT_SVAL\n"
+        "\tValue:\tIndex : 0x0\tOrdinal : 0x{o}\tOffset  : 0x{off}\tSize    : 0x{size}\n"
+    )
+    text = (
+        ".nv.info.k\n"
+        + rec.format(i=1, o="2", off="10", size="4")
+        + rec.format(i=2, o="0", off="0", size="8")
+        + rec.format(i=3, o="1", off="8", size="8")
+        + ".nv.info.empty\n\t<0x1>\n\tAttribute:\tEIATTR_CUDA_API_VERSION\n"
+    )
+    assert sa.parse_kparams(text) == {"k": [8, 8, 4]}
+
+
 # -- drift ---------------------------------------------------------------------------------------
 
 

@@ -241,6 +241,26 @@ def parse_res_usage(text: str) -> dict[str, dict[str, int]]:
     return funcs
 
 
+def parse_kparams(text: str) -> dict[str, list[int]]:
+    """`cuobjdump -elf`: function -> its parameters' sizes in bytes, in declaration order (the
+    EIATTR_KPARAM_INFO records of .nv.info.<function>), which the launcher's arguments must match."""
+    funcs: dict[str, dict[int, int]] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        m = re.match(r"^\.nv\.info\.(\S+)\s*$", line)
+        if m:
+            current = m.group(1)
+            funcs.setdefault(current, {})
+            continue
+        m = re.search(
+            r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+Size\s*:\s*0x([0-9a-f]+)",
+            line,
+        )
+        if current is not None and m:
+            funcs[current][int(m.group(1), 16)] = int(m.group(2), 16)
+    return {name: [sizes[i] for i in sorted(sizes)] for name, sizes in funcs.items() if sizes}
+
+
 # -- checks --------------------------------------------------------------------------------------
 
 FP8_TYPES = ("E4M3", "E5M2")
@@ -322,6 +342,7 @@ def build_manifest(
     ptxas: dict[str, dict[str, int]],
     res: dict[str, dict[str, int]],
     cuobjdump_release: str,
+    kparams: dict[str, list[int]] | None = None,
 ) -> dict:
     functions = {}
     for name in sorted(set(funcs) | set(ptxas) | set(res)):
@@ -339,6 +360,7 @@ def build_manifest(
             "instructions": len(insns),
             "opcodes": base,
             "opcodes_full": full,
+            "param_sizes": (kparams or {}).get(name, []),
         }
     return {
         "cubin": cubin_name,
@@ -362,7 +384,10 @@ def audit_cubin(cubin: Path, log: Path | None, cuobjdump: Path | None = None) ->
     res = parse_res_usage(run_cuobjdump(cuobjdump, "-res-usage", str(cubin)))
     log_text = log.read_text(errors="replace") if log is not None and log.exists() else ""
     ptxas = parse_ptxas_log(log_text)
-    manifest = build_manifest(cubin.name, arch, data, funcs, ptxas, res, tool_release(cuobjdump))
+    kparams = parse_kparams(run_cuobjdump(cuobjdump, "-elf", str(cubin)))
+    manifest = build_manifest(
+        cubin.name, arch, data, funcs, ptxas, res, tool_release(cuobjdump), kparams
+    )
     problems = []
     if log is None or not log.exists():
         problems.append(f"{stem}: no ptxas log next to the cubin (spills and notes unchecked)")

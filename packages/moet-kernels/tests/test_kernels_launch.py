@@ -1,0 +1,106 @@
+"""The op's kernel launches against the cubins' own parameter lists.
+
+`ops._gpu` runs here with its launches recorded instead of made (a CUDA launch cannot happen on
+this machine): every launch must pass as many arguments as the kernel declares, each of the
+declared size (`param_sizes` in sass/<cubin>.json, which the SASS audit reads from the cubin's
+ELF and keeps in step with the source), in the order the op promises: route, w13 per tier,
+requant, w2 per tier, combine, with each tier's GEMMs over its own job range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from moet_kernels import ops
+from moet_kernels.layout import NativeRowLayout
+
+SASS = Path(__file__).resolve().parents[3] / "sass"
+H, INTER, E, K, T = 256, 64, 16, 4, 3
+
+
+class Recorder:
+    """Stands in for loader.Module: the grid arithmetic of a 132-SM GPU, launches recorded."""
+
+    sms = 132
+
+    def __init__(self):
+        self.launches: list[tuple[str, int, int, list]] = []
+
+    def slots(self, name: str, block: int) -> int:
+        return 3 * self.sms
+
+    def persistent_grid(self, name: str, block: int, work: int) -> int:
+        return max(1, min(work, self.slots(name, block)))
+
+    def launch(self, name: str, grid: int, block: int, args: list) -> None:
+        self.launches.append((name, grid, block, list(args)))
+
+
+def declared() -> dict[str, list[list[int]]]:
+    """Kernel -> its parameter sizes in every committed cubin manifest."""
+    out: dict[str, list[list[int]]] = {}
+    for manifest in sorted(SASS.glob("*.json")):
+        for name, f in json.loads(manifest.read_text())["functions"].items():
+            out.setdefault(name, []).append(f["param_sizes"])
+    return out
+
+
+def record(monkeypatch, dtype, fp4: bool):
+    rec = Recorder()
+    monkeypatch.setattr(ops, "load", lambda dev: rec)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(ops, "_workspaces", {})
+    lay, lay4 = NativeRowLayout(H, INTER), NativeRowLayout(H, INTER, "fp4r")
+    pool = torch.zeros(5, lay.row_bytes, dtype=torch.uint8)
+    pool4 = torch.zeros(5, lay4.row_bytes, dtype=torch.uint8)
+    table, table4 = torch.zeros(E, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
+    tiers = [(pool4, table4, lay4), (pool, table, lay)] if fp4 else [(pool, table, lay)]
+    args = (
+        torch.zeros(T, H, dtype=dtype),
+        torch.zeros(T, K, dtype=torch.int32),
+        torch.zeros(T, K),
+        tiers,
+        torch.tensor([T], dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(E, dtype=torch.uint8),
+    )
+    ops._gpu(*args)
+    (ws,) = ops._workspaces.values()
+    return rec.launches, ws, table4
+
+
+@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4) -> None:
+    launches, ws, table4 = record(monkeypatch, dtype, fp4)
+    out = ops.OUT_KERNELS[dtype]
+    gemm = ["_fp4", ""] if fp4 else [""]
+    want = [f"moet_route_{out}", *(f"moet_w13{g}" for g in gemm), "moet_requant",
+            *(f"moet_w2{g}" for g in gemm), f"moet_combine_{out}"]  # fmt: skip
+    assert [name for name, *_ in launches] == want
+    sizes = declared()
+    for name, grid, block, args in launches:
+        assert sizes[name], f"{name} is in no committed manifest"
+        for declared_sizes in sizes[name]:  # every arch's cubin
+            assert [ctypes.sizeof(a) for a in args] == declared_sizes, name
+        assert 1 <= grid <= 8 * Recorder.sms and block in (128, 256)
+    # the FP4 table goes to the route kernel; each tier's GEMMs read their job range from
+    # route's n_jobs = {0, FP4 jobs, all jobs}
+    route_args = launches[0][3]
+    assert route_args[7].value == (table4.data_ptr() if fp4 else None)
+    n_jobs = ws.n_jobs.data_ptr()
+    ranges = [args[10].value for name, _, _, args in launches if name.startswith("moet_w13")]
+    ranges += [args[9].value for name, _, _, args in launches if name.startswith("moet_w2")]
+    assert ranges == ([n_jobs, n_jobs + 4] * 2 if fp4 else [n_jobs + 4] * 2)
+
+
+def test_the_manifests_name_every_parameter_list() -> None:
+    sizes = declared()
+    assert {"moet_route_bf16", "moet_w13", "moet_w2_fp4", "moet_requant"} <= set(sizes)
+    for name, lists in sizes.items():
+        assert lists and all(s == lists[0] and s for s in lists), name  # same on every arch
