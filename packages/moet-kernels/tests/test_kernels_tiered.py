@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moet_kernels.layout import NativeRowLayout, RowLayout
-from moet_kernels.ops import w2_moe_slots
+from moet_kernels.ops import _check_args, w2_moe_slots
 from moet_kernels.reference import (
     tier_dequant,
     tiered_moe_slots_reference,
@@ -189,3 +189,10 @@ def test_the_op_refuses_a_bad_fp4_tier() -> None:
         w2_moe_slots(*args, pool4, table4[:5], "fp4r")
     with pytest.raises(TypeError, match="fp4_slot_table must be a contiguous torch.int32"):
         w2_moe_slots(*args, pool4, table4.long(), "fp4r")
+    # a tensor on another device than x (checked before the dispatch, which a meta tensor would
+    # send to the fake implementation)
+    tiers = [(pool4.to("meta"), table4, lay4), (pool2, table2, lay2)]
+    with pytest.raises(ValueError, match="fp4_pool is on meta but x is on cpu"):
+        _check_args(x, ids, w, tiers, args[7], args[8], args[9])
+    with pytest.raises(ValueError, match="miss_count is on meta but x is on cpu"):
+        _check_args(x, ids, w, tiers[1:], args[7], args[8].to("meta"), args[9])

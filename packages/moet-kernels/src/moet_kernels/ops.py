@@ -213,6 +213,14 @@ def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, rou
     for name, t, dtype in checks:
         if t.dtype != dtype or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous {dtype} tensor, got {t.dtype}")
+    pools = [("pool" if tl is lay else "fp4_pool", pool) for pool, _, tl in tiers]
+    for name, t in [("topk_ids", topk_ids), ("topk_weights", topk_weights), *pools,
+                    *((n, t) for n, t, _ in checks)]:  # fmt: skip
+        if t.device != x.device:
+            raise ValueError(
+                f"{name} is on {t.device} but x is on {x.device}: the op reads every tensor on "
+                "x's device; move it there (a pool fetched to the GPU lives there)"
+            )
     for _, table, tl in tiers:
         if table.shape != routed.shape:
             which = "slot_table" if tl is lay else "fp4_slot_table"
