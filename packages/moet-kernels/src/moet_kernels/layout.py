@@ -69,6 +69,8 @@ from fractions import Fraction
 import numpy as np
 import torch
 
+from moet_quant.w2 import BIG_FROM  # the e2m1 grid index of 3.0: where +-4 codes' magnitudes start
+
 LAYOUT_ID = "logical-v0"
 NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v2"
 NATIVE_FP4_LAYOUT_ID = "mma-s8-m16k32-g64c128-e2m1-v1"
@@ -541,7 +543,8 @@ def expand_refinement(codes: torch.Tensor, refine: torch.Tensor) -> torch.Tensor
     the 2-bit code gives; 4 digits per 10-bit group, 4 groups per 5 bytes, little-endian). This is
     how the refinement tier reaches the kernels: hosts keep the 2.5-bit plane, a fetch expands it
     next to the W2 row into an fp4r row (`NativeRowLayout.pack_refined`). A corrupt plane (a group
-    >= 625, a digit > 2 under a +-4 code) raises ValueError; nothing is returned then."""
+    >= 625, a digit > 2 under a +-4 code) raises ValueError; nothing is returned then. The numpy
+    original stays the oracle (`reference.refined_codes`); the tests hold the two equal."""
     if codes.dtype != torch.uint8 or refine.dtype != torch.uint8 or codes.dim() < 2:
         raise ValueError(
             f"codes and refine must be uint8 [..., N, K/4] and [..., N, 5K/16], got "
@@ -563,10 +566,10 @@ def expand_refinement(codes: torch.Tensor, refine: torch.Tensor) -> torch.Tensor
         raise ValueError("refinement plane: a 10-bit group >= 625 (corrupt data)")
     powers = torch.tensor([1, 5, 25, 125], device=codes.device)
     digit = ((group.unsqueeze(-1) // powers) % 5).reshape(*lead, k)
-    big = (c == 0) | (c == 3)  # codes -4, +4: magnitudes 3, 4, 6 (grid indices 5..7)
+    big = (c == 0) | (c == 3)  # codes -4, +4: magnitudes from the grid index BIG_FROM (3.0) up
     if bool((big & (digit > 2)).any()):
         raise ValueError("refinement plane: a digit > 2 under a +-4 code (corrupt data)")
-    nib = ((c < 2).long() << 3) | (digit + torch.where(big, 5, 0))  # 5: the grid index of 3.0
+    nib = ((c < 2).long() << 3) | (digit + torch.where(big, BIG_FROM, 0))
     nib = nib.to(torch.uint8)
     return nib[..., 0::2] | (nib[..., 1::2] << 4)
 

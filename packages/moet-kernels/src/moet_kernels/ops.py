@@ -57,7 +57,7 @@ _noted_fallback = False
 
 
 GEMM_KERNELS = {"w2": "", "fp4r": "_fp4", "fp4x-mxfp4": "_fp4"}  # tier -> kernel name suffix
-FP4_TIERS = ("fp4r", "fp4x-mxfp4")  # what fp4_pool may hold
+FP4_TIERS = tuple(t for t in GEMM_KERNELS if t != "w2")  # what fp4_pool may hold
 
 
 @functools.cache
@@ -200,32 +200,31 @@ def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, rou
         )
     checks = [("n_real_tokens", n_real_tokens, torch.int32), ("miss_count", miss_count, torch.int32),
               ("routed", routed, torch.uint8)]  # fmt: skip
-    for pool, table, tl in tiers:
-        name = "pool" if tl is lay else "fp4_pool"
+    named = [("fp4_" if i < len(tiers) - 1 else "", *t) for i, t in enumerate(tiers)]  # FP4 first
+    for prefix, pool, table, tl in named:
         if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < tl.row_bytes:
             raise ValueError(
-                f"{name} must be uint8 [n_slots, >= {tl.row_bytes}] (NativeRowLayout rows of "
-                f"tier {tl.tier.name}), got {pool.dtype} {tuple(pool.shape)}"
+                f"{prefix}pool must be uint8 [n_slots, >= {tl.row_bytes}] (NativeRowLayout rows "
+                f"of tier {tl.tier.name}), got {pool.dtype} {tuple(pool.shape)}"
             )
         if pool.stride(1) != 1:
-            raise ValueError(f"{name} rows must be contiguous")
-        checks.append(("slot_table" if tl is lay else "fp4_slot_table", table, torch.int32))
+            raise ValueError(f"{prefix}pool rows must be contiguous")
+        if table.shape != routed.shape:
+            raise ValueError(
+                f"{prefix}slot_table has {table.shape[0]} experts, routed {routed.shape[0]}: "
+                "both are [E]"
+            )
+        checks.append((f"{prefix}slot_table", table, torch.int32))
     for name, t, dtype in checks:
         if t.dtype != dtype or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous {dtype} tensor, got {t.dtype}")
-    pools = [("pool" if tl is lay else "fp4_pool", pool) for pool, _, tl in tiers]
+    pools = [(f"{prefix}pool", pool) for prefix, pool, _, _ in named]
     for name, t in [("topk_ids", topk_ids), ("topk_weights", topk_weights), *pools,
                     *((n, t) for n, t, _ in checks)]:  # fmt: skip
         if t.device != x.device:
             raise ValueError(
                 f"{name} is on {t.device} but x is on {x.device}: the op reads every tensor on "
                 "x's device; move it there (a pool fetched to the GPU lives there)"
-            )
-    for _, table, tl in tiers:
-        if table.shape != routed.shape:
-            which = "slot_table" if tl is lay else "fp4_slot_table"
-            raise ValueError(
-                f"{which} has {table.shape[0]} experts, routed {routed.shape[0]}: both are [E]"
             )
 
 
