@@ -5,8 +5,8 @@
 Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
 cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
 
-- validate (W2 rows, FP4 rows of the fp4r and fp4x-mxfp4 tiers, and an FP4 pool preferred over
-  a W2 one: tier "fp4r>w2"): every case draws fresh random weights, activations and routings; the
+- validate (W2 rows, FP4 rows of the fp4r, fp4x-mxfp4 and fp4x-nvfp4 tiers, and an FP4 pool
+  preferred over a W2 one: tier "fp4r>w2"): every case draws fresh random weights, activations and routings; the
   op's output is compared with the kernel-mode reference (float64 GEMMs over the kernels' int8
   activations) and the exact reference; buffers are poisoned before each run; a rerun must be
   byte-identical, also on fewer CTAs; a CUDA graph replay must equal the eager run; with random
@@ -14,7 +14,7 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
 - time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
   size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
   shaped like trained weights' (`SCALES`; again at batch 1 and 8 with "wide" scales, the slow
-  path's worst case; and at batch 1, 8, 32 with fp4r rows); effective
+  path's worst case; and at batch 1, 8, 32 with fp4r and with NVFP4 rows); effective
   bandwidth on routed expert bytes as a share of the device-to-device copy bandwidth measured in
   the same run; per-kernel times from the profiler; vLLM 0.24's kernels from design.md, marked
   "not same run" (bench/h200/vllm_moe.py times them in the same device run where vLLM is staged:
@@ -95,9 +95,17 @@ def random_scales(shape, kind, gen, dev="cuda"):
     return (row + (u < 0.12).int() + (u < 0.004).int()).to(torch.uint8)
 
 
+def random_e4m3_scales(shape, kind, gen, dev="cuda"):
+    """NVFP4 block scales: "trained" like a checkpoint's (block amax / 6 over a global scale that
+    maps the tensor's amax to 448: e4m3 8..448, bytes 0x50..0x7e); "wide" every finite
+    non-negative e4m3 byte (0x00..0x7e: zero, subnormals, normals)."""
+    lo = 0x50 if kind == "trained" else 0
+    return torch.randint(lo, 0x7F, shape, dtype=torch.uint8, device=dev, generator=gen)
+
+
 class Layer:
-    """Random W2 experts of one MoE layer: logical tensors (for the references) and a native
-    pool on the GPU whose slots hold the experts in a random order."""
+    """Random experts of one MoE layer in one tier's rows: logical sections (for the references)
+    and a native pool on the GPU whose slots hold the experts in a random order."""
 
     def __init__(
         self,
@@ -110,46 +118,51 @@ class Layer:
         scales="trained",
         tier="w2",
     ):
-        from moet_kernels.layout import NativeRowLayout
+        from moet_kernels.layout import NativeRowLayout, RowLayout
 
         dev = "cuda"
         self.hidden, self.inter, self.n_experts, self.tier = hidden, inter, n_experts, tier
-        per_byte = 4 if tier == "w2" else 2  # codes per byte: 2-bit or e2m1 nibbles
+        logical = RowLayout(hidden, inter, tier)
+        self.weight_parts = logical.tier.weight_parts
 
-        def codes(*shape):
-            return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
-
-        def draw_scales(*shape):
+        def draw(name, shape):
+            shape = (n_experts, *shape)
+            if name.endswith("_codes"):
+                return torch.randint(0, 256, shape, dtype=torch.uint8, device=dev, generator=gen)
+            if name.endswith("_scale_2"):  # NVFP4's global scale per row
+                return torch.rand(shape, device=dev, generator=gen) * 3e-5 + 1e-5
+            if logical.tier.scale == "e4m3-16":
+                return random_e4m3_scales(shape, scales, gen)
             return random_scales(shape, scales, gen)
 
-        e, h, i = n_experts, hidden, inter
-        self.c13, self.s13 = codes(e, 2 * i, h // per_byte), draw_scales(e, 2 * i, h // 32)
-        self.c2, self.s2 = codes(e, h, i // per_byte), draw_scales(e, h, i // 32)
+        self.sections = {n: draw(n, shape) for n, (_, shape) in logical.sections.items()}
         self.lay = NativeRowLayout(hidden, inter, tier)
         rows = torch.cat(
             [
-                self.lay.pack(
-                    w13_codes=self.c13[a : a + 16],
-                    w13_scales=self.s13[a : a + 16],
-                    w2_codes=self.c2[a : a + 16],
-                    w2_scales=self.s2[a : a + 16],
-                )  # fmt: skip
-                for a in range(0, e, 16)
+                self.lay.pack(**{n: t[a : a + 16] for n, t in self.sections.items()})
+                for a in range(0, n_experts, 16)
             ]
         )
-        order = torch.randperm(e, device=dev, generator=gen)
+        order = torch.randperm(n_experts, device=dev, generator=gen)
         self.pool = torch.empty_like(rows)
         self.pool[order] = rows  # expert x lives in slot order[x]
         self.slots = order.to(torch.int32)
         if resident < 1.0:
-            gone = torch.rand(e, device=dev, generator=gen) >= resident
+            gone = torch.rand(n_experts, device=dev, generator=gen) >= resident
             self.slots[gone] = -1
         if not keep_logical:
-            del self.c13, self.s13, self.c2, self.s2
+            del self.sections
+
+    def expert(self, e) -> tuple:
+        """Expert e's weights as the references take them (`Tier.weight_parts`, w13 then w2)."""
+        return tuple(
+            self.sections[f"{p}_{part}"][e] for p in ("w13", "w2") for part in self.weight_parts
+        )
 
     def expert_bytes(self) -> int:
-        """Bytes of one expert at 2.25 (W2) or 4.25 (FP4) bits/weight (codes + UE8M0 scales)."""
-        return 3 * self.hidden * self.inter * (9 if self.tier == "w2" else 17) // 32
+        """Bytes of one expert: 2.25 (W2), 4.25 (fp4r, MXFP4) or 4.5 (NVFP4) bits per weight."""
+        bits32 = {"w2": 72, "fp4x-nvfp4": 144}.get(self.tier, 136)  # bits per 32 weights
+        return 3 * self.hidden * self.inter * bits32 // 256
 
 
 def routing(n_tok, n_experts, top_k, gen, dev="cuda"):
@@ -233,8 +246,7 @@ def validate_case(
         return next(lr for lr in layers if lr.slots[e] >= 0)
 
     def experts(e):
-        lr = holder(e)
-        return lr.c13[e], lr.s13[e], lr.c2[e], lr.s2[e]
+        return holder(e).expert(e)
 
     def skip(e):
         return not bool(held[e])
@@ -300,6 +312,8 @@ def validate(gen, reduced: bool) -> list[dict]:
             ("fixture", 5, torch.float32, 0.7, 2, "wide", "fp4r"),
             ("qwen3-235b-tp4", 3, torch.bfloat16, 1.0, 0, "trained", "fp4r"),
             ("fixture", 80, torch.bfloat16, 0.6, 3, "trained", "fp4r>w2"),
+            ("fixture", 5, torch.float32, 0.7, 2, "wide", "fp4x-nvfp4"),
+            ("fixture", 80, torch.bfloat16, 0.6, 3, "trained", "fp4x-nvfp4>w2"),
         ]
     else:
         plan = []
@@ -318,9 +332,16 @@ def validate(gen, reduced: bool) -> list[dict]:
             plan.append((name, 8, torch.bfloat16, 0.6, 3, "trained", "fp4x-mxfp4"))
             plan.append((name, 33, torch.float32, 0.8, 5, "wide", "fp4r"))
             plan.append((name, 256, torch.bfloat16, 0.9, 7, "trained", "fp4r"))
+        for name in ("glm-5.2", "deepseek-v3", "deepseek-v3-tp4", "qwen3-235b-tp4", "fixture"):
+            plan.append((name, 1, torch.float32, 1.0, 0, "trained", "fp4x-nvfp4"))  # NVFP4 rows
+            plan.append((name, 8, torch.float32, 1.0, 0, "wide", "fp4x-nvfp4"))
+            plan.append((name, 8, torch.bfloat16, 0.6, 3, "trained", "fp4x-nvfp4"))
+            plan.append((name, 33, torch.float32, 0.8, 5, "wide", "fp4x-nvfp4"))
+            plan.append((name, 256, torch.bfloat16, 0.9, 7, "trained", "fp4x-nvfp4"))
         for name in ("glm-5.2", "qwen3-235b-tp4", "fixture"):  # an FP4 pool preferred over W2
             plan.append((name, 1, torch.float32, 0.7, 0, "trained", "fp4r>w2"))
             plan.append((name, 8, torch.bfloat16, 0.6, 3, "wide", "fp4x-mxfp4>w2"))
+            plan.append((name, 8, torch.bfloat16, 0.6, 3, "trained", "fp4x-nvfp4>w2"))
             plan.append((name, 33, torch.float32, 0.5, 5, "trained", "fp4r>w2"))
             plan.append((name, 256, torch.bfloat16, 0.8, 7, "trained", "fp4r>w2"))
     for name, n_tok, dtype, resident, pad, scales, tier in plan:
@@ -496,7 +517,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-scales timing")
-    ap.add_argument("--no-fp4", action="store_true", help="skip the FP4 (fp4r) timing")
+    ap.add_argument("--no-fp4", action="store_true", help="skip the FP4 (fp4r, NVFP4) timing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
@@ -529,6 +550,10 @@ def main() -> int:
         if not args.no_fp4:
             print("FP4 rows (fp4r: e2m1, UE8M0 per 32; 4.25 bits per weight)")
             report["timing_fp4r"] = time_layers(gen, batches=(1, 8, 32), tier="fp4r")
+            print(
+                "NVFP4 rows (fp4x-nvfp4: e2m1, e4m3 per 16, float32 per row; 4.5 bits per weight)"
+            )
+            report["timing_nvfp4"] = time_layers(gen, batches=(1, 8, 32), tier="fp4x-nvfp4")
     report["nvcc_flags"] = os.environ.get("MOET_NVCC_FLAGS", "")
     write_result("kernels", report, machine(), args.out)
     return 0 if ok else 1

@@ -42,8 +42,8 @@ constexpr uint32_t FP4_HI = 0x0C080604u;  // 4, 6, 8, 12
 constexpr int ROUTE_THREADS = 256;
 // CTAs per SM the register budget of the GEMM kernels is sized for: W2 3 (up to 170 registers,
 // no spills on any target; on the H200, 4 CTAs with single-buffered chunks, and 4 with chunks
-// staged in shared memory by cp.async, were both slower: docs/kernels.md); FP4 2 (twice the code
-// registers per chunk: at 3 its ping-pong spills).
+// staged in shared memory by cp.async, were both slower: docs/kernels.md); FP4 (and NVFP4) 2
+// (twice the code registers per chunk: at 3 its ping-pong spills).
 #define GEMM_BLOCKS 3
 #define GEMM_BLOCKS_FP4 2
 constexpr int MAX_EXPERTS = 1024;
@@ -115,6 +115,8 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
 template <int CW>
 struct ChunkT {
   static constexpr int kCodeBytes = CODE_CHUNK * CW / 4;  // per (64-row group, K chunk)
+  static constexpr int kScaleHead = 0;                    // scale bytes per group before chunk 0
+  static constexpr int kScaleBytes = SCALE_CHUNK;         // per (64-row group, K chunk)
   uint4 cw[CW];
   uint2 sw[4];
   uint32_t slow;
@@ -296,6 +298,95 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, i
       for (int tt = 0; tt < 4; ++tt) fp4_tile_mma(pos, neg, k, rt, tt, t);
       promote_fp4(f[rt], pos, neg, ue8m0(wg, j), ue8m0(wg8, j), k);
     }
+  }
+}
+
+// NVFP4 (fp4x-nvfp4): e2m1 codes, an e4m3 scale per 16 along K, a float32 scale_2 per row. The
+// e4m3 scales do not fold into int8 levels (2 e2m1 times a 4-bit mantissa reaches 180), so each
+// k16 tile of the native layout is one 16-block of every row: its sum (one mma, mma_chunk) is
+// promoted with that block's scales of rows g and g+8 into float32 per chunk, the chunk's
+// activation scale follows, and scale_2 once per row at the end of the work item (scale_rows).
+struct Nvfp4Chunk {
+  static constexpr int kCodeBytes = 2 * CODE_CHUNK;
+  static constexpr int kScaleHead = 256;   // the group's 64 float32 scale_2, before its chunks
+  static constexpr int kScaleBytes = 512;  // 4 row tiles x 8 lane groups x 8 blocks x 2 rows
+  uint4 cw[8];    // row tile rt, k16 tile kt: cw[2rt + kt / 4], word kt % 4
+  uint4 sw;       // row tile tig (the quad shares them): byte 2kt + j: row g + 8j, block kt
+  uint32_t b[8];  // k16 tile kt: k 16kt + 4tig .. + 3 of column g
+  float x0, x1;
+};
+
+__device__ __forceinline__ void load_chunk(Nvfp4Chunk& k, const uint8_t* codes,
+                                           const uint8_t* scales, int c, const int8_t* act_g,
+                                           const float* as0, const float* as1, int lane) {
+  const int g = lane >> 2, tig = lane & 3;
+  const uint8_t* cc = codes + (size_t)c * Nvfp4Chunk::kCodeBytes;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) k.cw[q] = ld_stream16(cc + (q / 2) * 1024 + (lane * 2 + q % 2) * 16);
+  k.sw = ld_stream16(scales + (size_t)c * Nvfp4Chunk::kScaleBytes + tig * 128 + g * 16);
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt)
+    k.b[kt] =
+        act_g ? *reinterpret_cast<const uint32_t*>(act_g + c * KCHUNK + 16 * kt + 4 * tig) : 0u;
+  k.x0 = as0 ? 0.5f * as0[c] : 0.f;  // levels are 2 * e2m1
+  k.x1 = as1 ? 0.5f * as1[c] : 0.f;
+}
+
+// Byte j of a scale half-word as float32: the e4m3's 7 magnitude bits (the packer refuses a
+// sign) shifted into a float32's top exponent and mantissa bits, times 2^(127 - 7), is exact for
+// normals and subnormals (a subnormal e4m3 lands on a float32 subnormal).
+__device__ __forceinline__ float e4m3(uint32_t half_word, int j) {
+  return __uint_as_float(((half_word >> (8 * j)) & 0x7Fu) << 20) * 0x1p120f;
+}
+
+// Four int8 lanes negated (|v| <= 127: no lane is -128): the low 7 bits of ~v plus 1 carry at
+// most into bit 7, whose sum bit is then ~v's bit 7 xor that carry.
+__device__ __forceinline__ uint32_t neg_s8x4(uint32_t v) {
+  return ((~v & 0x7F7F7F7Fu) + 0x01010101u) ^ (~v & 0x80808080u);
+}
+
+// One mma.m16n8k32 per (row tile, block): k 0..15 are the block's positive weights P against the
+// activations, k 16..31 its negative ones N (sign bits flipped, as in fp4_tile_mma) against the
+// negated activations, so the int32 sum is P x - N x, biased by MAGIC for the FADD.
+__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Nvfp4Chunk& k, int) {
+  const int quad = (threadIdx.x & 31) & ~3;
+  uint32_t nb[8];
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) nb[kt] = neg_s8x4(k.b[kt]);
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    uint32_t sw = 0;  // row tile rt's scales of blocks kt and kt + 1, from lane tig = rt
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      if (!(kt & 1)) sw = __shfl_sync(0xffffffffu, word_of(k.sw, kt >> 1), quad | rt);
+      const uint32_t w = word_of(k.cw[2 * rt + (kt >> 2)], kt & 3), n = w ^ 0x88888888u;
+      uint32_t d[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
+      mma_s8(d, prmt(FP4_LO, FP4_HI, w), prmt(FP4_LO, FP4_HI, w >> 16), prmt(FP4_LO, FP4_HI, n),
+             prmt(FP4_LO, FP4_HI, n >> 16), k.b[kt], nb[kt]);
+      const uint32_t half_word = sw >> (16 * (kt & 1));
+      const float s = e4m3(half_word, 0), s8 = e4m3(half_word, 1);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        acc[i] = fmaf(__uint_as_float(d[i]) - MAGIC, i < 2 ? s : s8, acc[i]);
+    }
+    f[rt][0] = fmaf(acc[0], k.x0, f[rt][0]);
+    f[rt][1] = fmaf(acc[1], k.x1, f[rt][1]);
+    f[rt][2] = fmaf(acc[2], k.x0, f[rt][2]);
+    f[rt][3] = fmaf(acc[3], k.x1, f[rt][3]);
+  }
+}
+
+// NVFP4's per-row scale_2 (the group's scale head: 64 float32 in group row order) on a reduced
+// item: f[rt][j] is row 16rt + g + 8(j / 2). Other chunk types have no head and no row scale.
+template <class K>
+__device__ __forceinline__ void scale_rows(float (&f)[4][4], const uint8_t* group_scales, int g) {
+  if constexpr (K::kScaleHead > 0) {
+    const float* s2 = reinterpret_cast<const float*>(group_scales);
+#pragma unroll
+    for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) f[rt][j] *= s2[16 * rt + g + 8 * (j >> 1)];
   }
 }
 
@@ -576,12 +667,13 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, l
     const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
     const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
+    const uint8_t* gs = row + off_scales + (size_t)u * (K::kScaleHead + nchunks * K::kScaleBytes);
     float f[4][4];
-    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes,
-              row + off_scales + (size_t)u * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
-              lane);
+    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead, nchunks,
+              act_g, as0, as1, warp, lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
+      scale_rows<K>(f, gs, g);
       // f[rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8, 16+g,
       // 24+g of this unit; columns 2tig (j even) and 2tig+1
 #pragma unroll
@@ -640,12 +732,13 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
     const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
     const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
+    const uint8_t* gs = row + off_scales + (size_t)rg * (K::kScaleHead + nchunks * K::kScaleBytes);
     float f[4][4];
-    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes,
-              row + off_scales + (size_t)rg * nchunks * SCALE_CHUNK, nchunks, act_g, as0, as1, warp,
-              lane);
+    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
+              nchunks, act_g, as0, as1, warp, lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
+      scale_rows<K>(f, gs, g);
 #pragma unroll
       for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
@@ -659,7 +752,8 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
   }
 }
 
-// Entry points: W2 rows and FP4 rows (fp4r, fp4x-mxfp4) share everything but the chunk type.
+// Entry points: W2 rows, FP4 rows (fp4r, fp4x-mxfp4) and NVFP4 rows (fp4x-nvfp4) share everything
+// but the chunk type.
 #define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
@@ -677,6 +771,7 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
   }
 MOET_GEMMS(, Chunk, GEMM_BLOCKS)
 MOET_GEMMS(_fp4, ChunkFp4, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_nvfp4, Nvfp4Chunk, GEMM_BLOCKS_FP4)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).

@@ -50,12 +50,12 @@ def declared() -> dict[str, list[list[int]]]:
     return out
 
 
-def record(monkeypatch, dtype, fp4: bool):
+def record(monkeypatch, dtype, fp4: str | None):
     rec = Recorder()
     monkeypatch.setattr(ops, "load", lambda dev: rec)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(ops, "_workspaces", {})
-    lay, lay4 = NativeRowLayout(H, INTER), NativeRowLayout(H, INTER, "fp4r")
+    lay, lay4 = NativeRowLayout(H, INTER), NativeRowLayout(H, INTER, fp4 or "fp4r")
     pool = torch.zeros(5, lay.row_bytes, dtype=torch.uint8)
     pool4 = torch.zeros(5, lay4.row_bytes, dtype=torch.uint8)
     table, table4 = torch.zeros(E, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
@@ -74,12 +74,12 @@ def record(monkeypatch, dtype, fp4: bool):
     return rec.launches, ws, table4
 
 
-@pytest.mark.parametrize("fp4", [False, True])
+@pytest.mark.parametrize("fp4", [None, "fp4r", "fp4x-nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4) -> None:
     launches, ws, table4 = record(monkeypatch, dtype, fp4)
     out = ops.OUT_KERNELS[dtype]
-    gemm = ["_fp4", ""] if fp4 else [""]
+    gemm = [ops.GEMM_KERNELS[fp4], ""] if fp4 else [""]
     want = [f"moet_route_{out}", *(f"moet_w13{g}" for g in gemm), "moet_requant",
             *(f"moet_w2{g}" for g in gemm), f"moet_combine_{out}"]  # fmt: skip
     assert [name for name, *_ in launches] == want
@@ -101,6 +101,8 @@ def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4) ->
 
 def test_the_manifests_name_every_parameter_list() -> None:
     sizes = declared()
-    assert {"moet_route_bf16", "moet_w13", "moet_w2_fp4", "moet_requant"} <= set(sizes)
+    assert {"moet_route_bf16", "moet_w13", "moet_w2_fp4", "moet_w13_nvfp4", "moet_requant"} <= set(
+        sizes
+    )
     for name, lists in sizes.items():
         assert lists and all(s == lists[0] and s for s in lists), name  # same on every arch

@@ -52,10 +52,27 @@ Two layouts of a W2 expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
     max b_j - min b_j <= 3 (`FP4_FAST_SPREAD`; still min b_j >= 1): the kernels' int8 levels
     are 2*e2m1 (up to 12) times 2**(b_j - b_min), which must stay <= 127 (12 * 8 = 96).
 
+- `NativeRowLayout(hidden, inter, "fp4x-nvfp4")` (`NATIVE_NVFP4_LAYOUT_ID`): NVFP4 rows (e2m1
+  codes, an e4m3 scale per 16 along K, a float32 `scale_2` per row) for int8 mma.sync m16n8k16:
+  one k16 tile is one 16-block of every row, so its int32 sum is promoted with that block's
+  scale (no fold, no slow tiles). Rows, groups of 64, the w13 interleave, chunks of 128 and row
+  padding are v2's. Per (group, chunk):
+
+  - codes, 4096 bytes: 4 row tiles rt x 32 lanes x 8 little-endian 32-bit words kt = 0..7 (the
+    chunk's k16 tiles). Nibble i (0..3) of word kt stands for row 16rt + g, nibble 4 + i for row
+    16rt + g + 8, both at k = 16kt + 4t + i of the chunk (lane L = 4g + t): the A registers of
+    m16n8k16 in its two 16-bit halves. Each logical byte moves whole.
+  - scales, 512 bytes: 4 row tiles rt x 8 lane groups g x 8 blocks kt x [row 16rt + g, row
+    16rt + g + 8], one e4m3 byte each (at byte rt*128 + g*16 + 2kt + j).
+
+  Each group's scale bytes start with a 256-byte head: the float32 `scale_2` of its 64 rows in
+  group order (little-endian), then its chunks' 512 bytes each. Padding is 0 throughout (code
+  +0, scale 0, scale_2 0): padded weights are 0.
+
 `RowLayout(hidden, inter, tier)` also lays out the FP4 tiers' logical rows (`TIERS`: `fp4r`,
 `fp4r-refine`, `fp4x-nvfp4`, `fp4x-mxfp4`; docs/kernels.md, "FP4 tiers"), each with its own
-layout id (`FP4R_LAYOUT_ID`, ...); `fp4r` and `fp4x-mxfp4` have the kernel-native layout above
-(`NATIVE_TIERS`), `fp4r-refine` and `fp4x-nvfp4` none yet.
+layout id (`FP4R_LAYOUT_ID`, ...); `fp4r`, `fp4x-mxfp4` and `fp4x-nvfp4` have the kernel-native
+layouts above (`NATIVE_TIERS`), `fp4r-refine` reaches the kernels as expanded fp4r rows.
 
 `LAYOUT_ID` enters moet-vllm's ABI string (`<format>+<layout>+<row sections>`), which keys every
 persistent cache (pack files). Bump an id whenever the byte layout it names changes.
@@ -74,6 +91,7 @@ from moet_quant.w2 import BIG_FROM  # the e2m1 grid index of 3.0: where +-4 code
 LAYOUT_ID = "logical-v0"
 NATIVE_LAYOUT_ID = "mma-s8-m16k32-g64c128-v2"
 NATIVE_FP4_LAYOUT_ID = "mma-s8-m16k32-g64c128-e2m1-v1"
+NATIVE_NVFP4_LAYOUT_ID = "mma-s8-m16k16-g64c128-e2m1-e4m3b16-v1"
 
 __all__ = [
     "expand_refinement",
@@ -88,6 +106,7 @@ __all__ = [
     "MXFP4_LAYOUT_ID",
     "NATIVE_FP4_LAYOUT_ID",
     "NATIVE_LAYOUT_ID",
+    "NATIVE_NVFP4_LAYOUT_ID",
     "NATIVE_TIERS",
     "NVFP4",
     "NVFP4_LAYOUT_ID",
@@ -524,6 +543,52 @@ def logical_matrix(
     return codes, s.to(torch.uint8).contiguous()
 
 
+NVFP4_SCALE_HEAD = 256  # per group: 64 float32 scale_2, then the chunks' e4m3 scales
+NVFP4_SCALE_CHUNK = 512  # per (group, chunk): 4 row tiles x 8 lane groups x 8 blocks x 2 rows
+
+
+def native_nvfp4_matrix(
+    codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor, rows_p: int, k_p: int
+):
+    """NVFP4 logical sections (e2m1 nibbles uint8 [E, N, K/2], e4m3 scales uint8 [E, N, K/16],
+    float32 scale_2 [E, N]) -> native (codes [E, rows_p*k_p/2], scales [E, rows_p/64 * (256 +
+    k_p/128 * 512)]) in the `NATIVE_NVFP4_LAYOUT_ID` layout (module docstring)."""
+    e, n, kh = codes.shape
+    dev = codes.device
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    c = torch.zeros(e, rows_p, k_p // 2, dtype=torch.uint8, device=dev)
+    c[:, :n, :kh] = codes
+    # rows: rg, rt, jl, g (row = 16 rt + 8 jl + g); bytes: cc, kt, t, ih (k / 2 = 8 kt + 2 t + ih
+    # within the chunk) -> e, rg, cc, rt, g, t (lane 4g + t), kt (word), jl, ih (byte 2 jl + ih)
+    c = c.view(e, rg, 4, 2, 8, cc, 8, 4, 2).permute(0, 1, 5, 2, 4, 7, 6, 3, 8)
+    s = torch.zeros(e, rows_p, k_p // 16, dtype=torch.uint8, device=dev)
+    s[:, :n, : scales.shape[2]] = scales
+    # rows: rg, rt, jl, g; blocks: cc, kt -> e, rg, cc, rt, g, kt, jl
+    s = s.view(e, rg, 4, 2, 8, cc, 8).permute(0, 1, 5, 2, 4, 6, 3).reshape(e, rg, -1)
+    s2 = torch.zeros(e, rows_p, dtype=torch.float32, device=dev)
+    s2[:, :n] = scale_2
+    head = s2.view(e, rg, GROUP_ROWS).view(torch.uint8)  # little-endian float32 bytes
+    return c.reshape(e, -1), torch.cat([head, s], dim=-1).reshape(e, -1)
+
+
+def logical_nvfp4_matrix(
+    native_c: torch.Tensor, native_s: torch.Tensor, n: int, k: int, rows_p: int, k_p: int
+):
+    """The inverse of `native_nvfp4_matrix` -> (codes [E, n, k/2], scales [E, n, k/16], scale_2
+    float32 [E, n])."""
+    e = native_c.shape[0]
+    rg, cc = rows_p // GROUP_ROWS, k_p // CHUNK_K
+    # native dims e, rg, cc, rt, g, t, kt, jl, ih -> e, rg, rt, jl, g, cc, kt, t, ih
+    c = native_c.reshape(e, rg, cc, 4, 8, 4, 8, 2, 2).permute(0, 1, 3, 7, 4, 2, 6, 5, 8)
+    codes = c.reshape(e, rows_p, k_p // 2)[:, :n, : k // 2].contiguous()
+    grp = native_s.reshape(e, rg, NVFP4_SCALE_HEAD + cc * NVFP4_SCALE_CHUNK)
+    scale_2 = grp[..., :NVFP4_SCALE_HEAD].contiguous().view(torch.float32).reshape(e, rows_p)
+    # native dims e, rg, cc, rt, g, kt, jl -> e, rg, rt, jl, g, cc, kt
+    s = grp[..., NVFP4_SCALE_HEAD:].reshape(e, rg, cc, 4, 8, 8, 2).permute(0, 1, 3, 6, 4, 2, 5)
+    scales = s.reshape(e, rows_p, k_p // 16)[:, :n, : k // 16].contiguous()
+    return codes, scales, scale_2[:, :n].contiguous()
+
+
 def slow_tile_fraction(native_scales) -> float:
     """The fraction of slow (row tile, chunk) pairs in native scale sections (numpy or torch,
     uint8 [..., groups * chunks * 264], e.g. one `NativeRowLayout` scale section or several;
@@ -533,7 +598,7 @@ def slow_tile_fraction(native_scales) -> float:
     return int(flags.bool().sum()) / flags.numel()
 
 
-NATIVE_TIERS = (W2, FP4R, MXFP4)  # the tiers with a kernel-native layout
+NATIVE_TIERS = (W2, FP4R, MXFP4, NVFP4)  # the tiers with a kernel-native layout
 
 
 def expand_refinement(codes: torch.Tensor, refine: torch.Tensor) -> torch.Tensor:
@@ -588,13 +653,16 @@ def _native_tier(tier: str | Tier) -> Tier:
 
 class NativeRowLayout:
     """Expert rows in the kernel-native layout (module docstring) of one tier: "w2" (the default,
-    `NATIVE_LAYOUT_ID`), "fp4r" or "fp4x-mxfp4" (the same bytes, `NATIVE_FP4_LAYOUT_ID`; others
-    raise ValueError). The same interface as `RowLayout`: `pack` takes the tier's logical
-    sections [E, ...] (names and shapes as `RowLayout(hidden, inter, tier).sections`: codes
-    [N, K/4] for W2, e2m1 nibbles [N, K/2] for FP4; UE8M0 scales [N, K/32]) and `views` returns
-    them, unpacked, from one native row (a copy, not a view); `slow_tile_fractions` tells how much
-    of a row the kernels read on the slow path. `fast_spread` is the tier's fast-eligibility
-    spread limit (`FAST_SPREAD`, `FP4_FAST_SPREAD`)."""
+    `NATIVE_LAYOUT_ID`), "fp4r" or "fp4x-mxfp4" (the same bytes, `NATIVE_FP4_LAYOUT_ID`),
+    "fp4x-nvfp4" (`NATIVE_NVFP4_LAYOUT_ID`); others raise ValueError. The same interface as
+    `RowLayout`: `pack` takes the tier's logical sections [E, ...] (names, shapes and dtypes as
+    `RowLayout(hidden, inter, tier).sections`: codes [N, K/4] for W2, e2m1 nibbles [N, K/2] for
+    FP4; UE8M0 scales [N, K/32], or for NVFP4 e4m3 scales [N, K/16] and float32 scale_2 [N]) and
+    `views` returns them, unpacked, from one native row (a copy, not a view);
+    `slow_tile_fractions` tells how much of a row the kernels read on the slow path.
+    `fast_spread` is the tier's fast-eligibility spread limit (`FAST_SPREAD`, `FP4_FAST_SPREAD`;
+    None for NVFP4, which has no fast/slow split). Every section's name is `<w13|w2>_<codes|
+    scales>` (NVFP4's scale_2 lives in its scales section)."""
 
     tier = W2
     layout_id = NATIVE_LAYOUT_ID
@@ -602,22 +670,30 @@ class NativeRowLayout:
     def __init__(self, hidden: int, inter: int, tier: str | Tier = "w2"):
         self.tier = _native_tier(tier)
         self.logical = RowLayout(hidden, inter, self.tier)  # the same size checks
-        w2 = self.tier is W2
-        self.layout_id = NATIVE_LAYOUT_ID if w2 else NATIVE_FP4_LAYOUT_ID
+        w2, nv = self.tier is W2, self.tier is NVFP4
+        self.layout_id = (
+            NATIVE_LAYOUT_ID if w2 else NATIVE_NVFP4_LAYOUT_ID if nv else NATIVE_FP4_LAYOUT_ID
+        )
         self.code_format = self.tier.codes  # "w2" or "e2m1"
-        self.fast_spread = FAST_SPREAD if w2 else FP4_FAST_SPREAD
+        self.fast_spread = FAST_SPREAD if w2 else None if nv else FP4_FAST_SPREAD
         codes_per_byte = 4 if w2 else 2
         self.hidden, self.inter = hidden, inter
         self.hidden_p, self.inter_p = _ceil(hidden, CHUNK_K), _ceil(inter, CHUNK_K)
         self.w13_rows = 2 * inter  # 32-row units of gate and up: a multiple of 64
         self.w2_rows = _ceil(hidden, GROUP_ROWS)
-        chunks13 = self.w13_rows // GROUP_ROWS * self.hidden_p // CHUNK_K  # (group, chunk) pairs
-        chunks2 = self.w2_rows // GROUP_ROWS * self.inter_p // CHUNK_K
+
+        def scale_bytes(rows, k_p):  # per matrix: per group (head + chunks)
+            chunks = k_p // CHUNK_K
+            per_group = (
+                NVFP4_SCALE_HEAD + chunks * NVFP4_SCALE_CHUNK if nv else chunks * SCALE_CHUNK_BYTES
+            )
+            return rows // GROUP_ROWS * per_group
+
         sizes = {
             "w13_codes": self.w13_rows * self.hidden_p // codes_per_byte,
-            "w13_scales": chunks13 * SCALE_CHUNK_BYTES,
+            "w13_scales": scale_bytes(self.w13_rows, self.hidden_p),
             "w2_codes": self.w2_rows * self.inter_p // codes_per_byte,
-            "w2_scales": chunks2 * SCALE_CHUNK_BYTES,
+            "w2_scales": scale_bytes(self.w2_rows, self.inter_p),
         }
         self.offsets: dict[str, int] = {}
         offset = 0
@@ -639,10 +715,10 @@ class NativeRowLayout:
         return f"{self.layout_id}-a{SECTION_ALIGN}[{','.join(parts)}]"
 
     def pack(self, **arrays) -> np.ndarray:
-        """The tier's four logical uint8 arrays [E, *shape] (names and shapes as
+        """The tier's logical arrays [E, *shape] (names, shapes and dtypes as
         `RowLayout(hidden, inter, tier).sections`) -> rows uint8 [E, row_bytes]: numpy in, numpy
         out; torch tensors in, a tensor out on their device (pack on the GPU). A UE8M0 scale of
-        255 is refused."""
+        255 is refused, and for NVFP4 a NaN or negative e4m3 scale or scale_2."""
         sections = self.logical.sections
         missing = set(sections) - set(arrays)
         extra = set(arrays) - set(sections) if self.tier is not W2 else ()  # W2: as before
@@ -655,17 +731,32 @@ class NativeRowLayout:
         as_numpy = not all(isinstance(a, torch.Tensor) for a in arrays.values())
         for name, (_, shape) in sections.items():
             a = torch.as_tensor(arrays[name])
-            if a.dtype != torch.uint8 or tuple(a.shape) != (n_experts, *shape):
+            want = torch.float32 if self.logical.dtypes[name] != np.uint8 else torch.uint8
+            if a.dtype != want or tuple(a.shape) != (n_experts, *shape):
                 raise ValueError(
-                    f"{name}: expected uint8 {[n_experts, *shape]}, found {a.dtype} {list(a.shape)}"
+                    f"{name}: expected {str(want)[6:]} {[n_experts, *shape]}, found "
+                    f"{str(a.dtype).replace('torch.', '')} {list(a.shape)}"
                 )
+            if self.tier is NVFP4:
+                check_scale_values(self.tier, name, a.cpu())
             t[name] = a
         perm = self._w13_rows.to(t["w13_codes"].device)
-        fmt = {"code_format": self.code_format, "spread": self.fast_spread}
-        w13 = native_matrix(
-            t["w13_codes"][:, perm], t["w13_scales"][:, perm], self.w13_rows, self.hidden_p, **fmt
-        )
-        w2 = native_matrix(t["w2_codes"], t["w2_scales"], self.w2_rows, self.inter_p, **fmt)
+        if self.tier is NVFP4:
+            w13 = native_nvfp4_matrix(
+                *(t[f"w13_{p}"][:, perm] for p in ("codes", "scales", "scale_2")),
+                self.w13_rows,
+                self.hidden_p,
+            )
+            w2 = native_nvfp4_matrix(
+                t["w2_codes"], t["w2_scales"], t["w2_scale_2"], self.w2_rows, self.inter_p
+            )
+        else:
+            fmt = {"code_format": self.code_format, "spread": self.fast_spread}
+            w13 = native_matrix(
+                t["w13_codes"][:, perm], t["w13_scales"][:, perm], self.w13_rows, self.hidden_p,
+                **fmt,
+            )  # fmt: skip
+            w2 = native_matrix(t["w2_codes"], t["w2_scales"], self.w2_rows, self.inter_p, **fmt)
         rows = torch.zeros(n_experts, self.row_bytes, dtype=torch.uint8, device=perm.device)
         for name, data in zip(SECTIONS, (*w13, *w2)):
             rows[:, self.offsets[name] : self.offsets[name] + data.shape[1]] = data
@@ -689,7 +780,9 @@ class NativeRowLayout:
 
     def slow_tile_fractions(self, row) -> dict[str, float]:
         """One native row (numpy or torch, 1-D) -> the fraction of slow (row tile, chunk) pairs of
-        w13 and of w2 (`slow_tile_fraction`)."""
+        w13 and of w2 (`slow_tile_fraction`); 0 for NVFP4 rows, which have no slow path."""
+        if self.tier is NVFP4:
+            return {"w13": 0.0, "w2": 0.0}
         return {
             proj: slow_tile_fraction(
                 row[self.offsets[name] : self.offsets[name] + self.sizes[name]]
@@ -706,22 +799,28 @@ class NativeRowLayout:
         def sec(name):
             return r[:, self.offsets[name] : self.offsets[name] + self.sizes[name]]
 
-        h, i, fmt = self.hidden, self.inter, self.code_format
-        c13, s13 = logical_matrix(
-            sec("w13_codes"),
-            sec("w13_scales"),
-            2 * i,
-            h,
-            self.w13_rows,
-            self.hidden_p,
-            code_format=fmt,
-        )
-        inverse = self._w13_inverse.to(r.device)
-        c13, s13 = c13[:, inverse], s13[:, inverse]
-        c2, s2 = logical_matrix(
-            sec("w2_codes"), sec("w2_scales"), h, i, self.w2_rows, self.inter_p, code_format=fmt
-        )
-        out = {"w13_codes": c13[0], "w13_scales": s13[0], "w2_codes": c2[0], "w2_scales": s2[0]}
+        h, i = self.hidden, self.inter
+        dims = {
+            "w13": (2 * i, h, self.w13_rows, self.hidden_p),
+            "w2": (h, i, self.w2_rows, self.inter_p),
+        }
+        out = {}
+        for proj, (n, k, rows_p, k_p) in dims.items():
+            if self.tier is NVFP4:
+                parts = logical_nvfp4_matrix(
+                    sec(f"{proj}_codes"), sec(f"{proj}_scales"), n, k, rows_p, k_p
+                )
+                names = ("codes", "scales", "scale_2")
+            else:
+                parts = logical_matrix(
+                    sec(f"{proj}_codes"), sec(f"{proj}_scales"), n, k, rows_p, k_p,
+                    code_format=self.code_format,
+                )  # fmt: skip
+                names = ("codes", "scales")
+            if proj == "w13":
+                inverse = self._w13_inverse.to(r.device)
+                parts = [p[:, inverse] for p in parts]
+            out.update({f"{proj}_{name}": p[0] for name, p in zip(names, parts)})
         if as_numpy:
             return {k: v.numpy() for k, v in out.items()}
         return out

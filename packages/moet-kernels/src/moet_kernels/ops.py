@@ -56,7 +56,12 @@ _workspaces: dict[tuple, _Workspace] = {}  # per (device, batch shape): fixed ad
 _noted_fallback = False
 
 
-GEMM_KERNELS = {"w2": "", "fp4r": "_fp4", "fp4x-mxfp4": "_fp4"}  # tier -> kernel name suffix
+GEMM_KERNELS = {
+    "w2": "",
+    "fp4r": "_fp4",
+    "fp4x-mxfp4": "_fp4",
+    "fp4x-nvfp4": "_nvfp4",
+}  # tier -> suffix
 FP4_TIERS = tuple(t for t in GEMM_KERNELS if t != "w2")  # what fp4_pool may hold
 
 
