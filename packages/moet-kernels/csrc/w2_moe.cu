@@ -667,7 +667,8 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, l
     const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
     const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
-    const uint8_t* gs = row + off_scales + (size_t)u * (K::kScaleHead + nchunks * K::kScaleBytes);
+    const uint8_t* gs =  // the group's scales (its head, then its chunks)
+        row + off_scales + (size_t)u * nchunks * K::kScaleBytes + (size_t)u * K::kScaleHead;
     float f[4][4];
     gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead, nchunks,
               act_g, as0, as1, warp, lane);
@@ -732,7 +733,8 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
     const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
     const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
     const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
-    const uint8_t* gs = row + off_scales + (size_t)rg * (K::kScaleHead + nchunks * K::kScaleBytes);
+    const uint8_t* gs =
+        row + off_scales + (size_t)rg * nchunks * K::kScaleBytes + (size_t)rg * K::kScaleHead;
     float f[4][4];
     gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
               nchunks, act_g, as0, as1, warp, lane);

@@ -442,7 +442,9 @@ def test_op_on_cpu_is_the_reference_over_native_rows(tier) -> None:
     assert int(miss) == int((ids[: tokens - 1] == 2).sum())
     with pytest.raises(ValueError, match="NativeRowLayout rows"):
         w2_moe_slots(x, ids, w, logical[:, :100], table, hidden, inter, n_real, miss, routed, tier)
-    with pytest.raises(ValueError, match="has no kernels"):
+    with pytest.raises(ValueError, match="has no kernels"):  # expanded to fp4r rows first
+        w2_moe_slots(x, ids, w, native, table, hidden, inter, n_real, miss, routed, "fp4r-refine")
+    with pytest.raises(ValueError, match="rows of tier fp4x-nvfp4"):  # NVFP4 rows are larger
         w2_moe_slots(x, ids, w, native, table, hidden, inter, n_real, miss, routed, "fp4x-nvfp4")
 
 

@@ -12,11 +12,11 @@ from moet_kernels.layout import (
     FAST_SPREAD,
     FP4_FAST_SPREAD,
     FP4R,
+    FP4R_REFINE,
     MXFP4,
     NATIVE_FP4_LAYOUT_ID,
     NATIVE_LAYOUT_ID,
     NATIVE_TIERS,
-    NVFP4,
     SCALE_CHUNK_BYTES,
     W2,
     NativeRowLayout,
@@ -106,7 +106,7 @@ def test_fp4_layout_attributes_sizes_and_spec() -> None:
     assert w2.tier is W2 and w2.layout_id == NATIVE_LAYOUT_ID == NativeRowLayout.layout_id
     assert w2.spec.startswith(NATIVE_LAYOUT_ID + "-a256[")
     assert w2.sizes["w13_codes"] == 192 * 256 // 4
-    assert [t.name for t in NATIVE_TIERS] == ["w2", "fp4r", "fp4x-mxfp4"]
+    assert [t.name for t in NATIVE_TIERS] == ["w2", "fp4r", "fp4x-mxfp4", "fp4x-nvfp4"]
     assert (FAST_SPREAD, FP4_FAST_SPREAD) == (4, 3)
 
 
@@ -270,9 +270,10 @@ def test_fp4_padding_never_makes_a_tile_slow(scale) -> None:
     assert all(np.array_equal(lay.views(rows[0])[k], sec[k][0]) for k in sec)
 
 
-@pytest.mark.parametrize("tier", ["fp4x-nvfp4", "fp4r-refine", "bogus", NVFP4, None])
+@pytest.mark.parametrize("tier", ["fp4r-refine", "bogus", FP4R_REFINE, None])
 def test_fp4_unsupported_tiers_are_refused(tier) -> None:
-    with pytest.raises(ValueError, match=r"supports the tiers 'w2', 'fp4r', 'fp4x-mxfp4'"):
+    supported = r"supports the tiers 'w2', 'fp4r', 'fp4x-mxfp4', 'fp4x-nvfp4'$"
+    with pytest.raises(ValueError, match=supported):
         NativeRowLayout(64, 32, tier)
 
 

@@ -582,7 +582,8 @@ def logical_nvfp4_matrix(
     c = native_c.reshape(e, rg, cc, 4, 8, 4, 8, 2, 2).permute(0, 1, 3, 7, 4, 2, 6, 5, 8)
     codes = c.reshape(e, rows_p, k_p // 2)[:, :n, : k // 2].contiguous()
     grp = native_s.reshape(e, rg, NVFP4_SCALE_HEAD + cc * NVFP4_SCALE_CHUNK)
-    scale_2 = grp[..., :NVFP4_SCALE_HEAD].contiguous().view(torch.float32).reshape(e, rows_p)
+    # a copy: the head's bytes may sit at any offset of a pool, and a float32 view needs 4-aligned
+    scale_2 = grp[..., :NVFP4_SCALE_HEAD].clone().view(torch.float32).reshape(e, rows_p)
     # native dims e, rg, cc, rt, g, kt, jl -> e, rg, rt, jl, g, cc, kt
     s = grp[..., NVFP4_SCALE_HEAD:].reshape(e, rg, cc, 4, 8, 8, 2).permute(0, 1, 3, 6, 4, 2, 5)
     scales = s.reshape(e, rows_p, k_p // 16)[:, :n, : k // 16].contiguous()
