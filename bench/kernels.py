@@ -414,98 +414,103 @@ def copy_bandwidth() -> float:
     return 2 * n / sorted(times[5:])[len(times[5:]) // 2]
 
 
-def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier="w2") -> dict:
-    from moet_kernels import ops
-
-    h, i, e, k = SHAPES["glm-5.2"]
-    layers = [
+def glm_layers(gen, n_layers=8, scales="trained", tier="w2") -> list:
+    """`n_layers` GLM-5.2 MoE layers of distinct pools (one graph over all of them defeats L2)."""
+    h, i, e, _ = SHAPES["glm-5.2"]
+    return [
         Layer(h, i, e, gen, keep_logical=False, scales=scales, tier=tier) for _ in range(n_layers)
     ]
+
+
+def time_batch(layers, n_tok, gen, bw) -> dict:
+    """One CUDA graph over `layers` at `n_tok` tokens (uniform routing), replayed: the median
+    time per layer, routed bytes, their share of the copy bandwidth `bw`, and per-kernel spans."""
+    from moet_kernels import ops
+
+    h, _, e, k = SHAPES["glm-5.2"]
+    n_layers = len(layers)
+    ops._workspaces.clear()
+    xs = [torch.randn(n_tok, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in layers]
+    routes = [routing(n_tok, e, k, gen) for _ in layers]
+    nr = torch.tensor([n_tok], dtype=torch.int32, device="cuda")
+    miss = torch.zeros(1, dtype=torch.int32, device="cuda")
+    routed = torch.zeros(e, dtype=torch.uint8, device="cuda")
+
+    def step():
+        for layer, x, (ids, w) in zip(layers, xs, routes):
+            run_op(layer, x, ids, w, nr, miss, routed)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    reps = 20
+    times = []
+    for _ in range(5):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        for _ in range(reps):
+            g.replay()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en) / 1e3 / (reps * n_layers))
+    t_layer = sorted(times)[len(times) // 2]
+    distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / n_layers
+    bytes_routed = distinct * layers[0].expert_bytes()
+    # per-kernel split from the profiler over a few replays
+    kernels = {}
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(4):
+                g.replay()
+            torch.cuda.synchronize()
+        for evt in prof.key_averages():
+            if evt.key.startswith("moet_"):
+                dev_total = getattr(evt, "device_time_total", None)
+                if dev_total is None:
+                    dev_total = evt.cuda_time_total
+                kernels[evt.key] = dev_total / max(1, evt.count)
+    except Exception as exc:  # the split is informative; the timing above is the result
+        kernels = {"error": repr(exc)}
+    row = {
+        "us_per_layer": t_layer * 1e6,
+        "distinct_experts": distinct,
+        "routed_bytes": bytes_routed,
+        "effective_GBps": bytes_routed / t_layer / 1e9,
+        "share_of_copy_bw": bytes_routed / t_layer / bw,
+        "kernel_us": kernels,
+    }
+    for name, figs in VLLM_US.items():
+        if n_tok in figs:
+            row[f"vs {name} (not same run)"] = t_layer * 1e6 / figs[n_tok]
+    print(
+        f"T={n_tok:4d}: {t_layer * 1e6:8.1f} us/layer, {distinct:6.1f} experts, "
+        f"{bytes_routed / t_layer / 1e9:7.1f} GB/s = {bytes_routed / t_layer / bw:.2f} of copy; "
+        + " ".join(f"{kk}={v:.1f}" for kk, v in kernels.items() if isinstance(v, float)),
+        flush=True,
+    )
+    return row
+
+
+def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier="w2") -> dict:
+    layers = glm_layers(gen, n_layers, scales, tier)
     bw = copy_bandwidth()
     out = {"copy_bandwidth_GBps": bw / 1e9, "layers_in_graph": n_layers, "scales": scales,
            "tier": tier,
            "kernel_us": "profiler span per kernel: with PDL it includes the wait for the previous "
                         "kernel, so only us_per_layer is a time",
            "slow_tiles": layers[0].lay.slow_tile_fractions(layers[0].pool[0]),
-           "batches": {}}  # fmt: skip
-    nr_all = {}
-    for n_tok in batches:
-        ops._workspaces.clear()
-        xs = [
-            torch.randn(n_tok, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in layers
-        ]
-        routes = [routing(n_tok, e, k, gen) for _ in layers]
-        nr_all[n_tok] = torch.tensor([n_tok], dtype=torch.int32, device="cuda")
-        miss = torch.zeros(1, dtype=torch.int32, device="cuda")
-        routed = torch.zeros(e, dtype=torch.uint8, device="cuda")
-
-        def step(xs=xs, routes=routes, nr=nr_all[n_tok], miss=miss, routed=routed):
-            for layer, x, (ids, w) in zip(layers, xs, routes):
-                run_op(layer, x, ids, w, nr, miss, routed)
-
-        step()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            step()
-        for _ in range(3):
-            g.replay()
-        reps = 20
-        times = []
-        for _ in range(5):
-            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.record()
-            for _ in range(reps):
-                g.replay()
-            en.record()
-            en.synchronize()
-            times.append(st.elapsed_time(en) / 1e3 / (reps * n_layers))
-        t_layer = sorted(times)[len(times) // 2]
-        distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / n_layers
-        bytes_routed = distinct * layers[0].expert_bytes()
-        # per-kernel split from the profiler over a few replays
-        kernels = {}
-        try:
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(4):
-                    g.replay()
-                torch.cuda.synchronize()
-            for evt in prof.key_averages():
-                if evt.key.startswith("moet_"):
-                    dev_total = getattr(evt, "device_time_total", None)
-                    if dev_total is None:
-                        dev_total = evt.cuda_time_total
-                    kernels[evt.key] = dev_total / max(1, evt.count)
-        except Exception as exc:  # the split is informative; the timing above is the result
-            kernels = {"error": repr(exc)}
-        gemm_us = sum(v for kname, v in kernels.items() if kname in ("moet_w13", "moet_w2"))
-        row = {
-            "us_per_layer": t_layer * 1e6,
-            "distinct_experts": distinct,
-            "routed_bytes": bytes_routed,
-            "effective_GBps": bytes_routed / t_layer / 1e9,
-            "share_of_copy_bw": bytes_routed / t_layer / bw,
-            "kernel_us": kernels,
-        }
-        if gemm_us:
-            row["gemm_share_of_copy_bw"] = bytes_routed / (gemm_us * 1e-6) / bw
-        for name, figs in VLLM_US.items():
-            if n_tok in figs:
-                row[f"vs {name} (not same run)"] = t_layer * 1e6 / figs[n_tok]
-        out["batches"][n_tok] = row
-        print(
-            f"T={n_tok:4d}: {t_layer * 1e6:8.1f} us/layer, {distinct:6.1f} experts, "
-            f"{bytes_routed / t_layer / 1e9:7.1f} GB/s = {bytes_routed / t_layer / bw:.2f} of copy; "
-            + " ".join(f"{kk}={v:.1f}" for kk, v in kernels.items() if isinstance(v, float)),
-            flush=True,
-        )
+           "batches": {n_tok: time_batch(layers, n_tok, gen, bw) for n_tok in batches}}  # fmt: skip
     return out
 
 
