@@ -4,8 +4,9 @@
 miss_count, routed, tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r")` has the
 semantics of `reference.tiered_moe_slots_reference` (tiered residency, design.md) over pools of
 expert rows in `layout.NativeRowLayout(hidden, inter, tier)`: W2 rows, or FP4 rows of the `fp4r` /
-`fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32), and optionally an FP4 pool preferred over
-them (FP4 slot > 2-bit slot > miss). On a CUDA device with the kernels it runs route (job lists
+`fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32) or the `fp4x-nvfp4` tier (e2m1 with e4m3 scales
+per 16 and a float32 scale per row), and optionally an FP4 pool preferred over them (FP4 slot >
+2-bit slot > miss). On a CUDA device with the kernels it runs route (job lists
 by tier, miss counter, routed mask, int8 activations), w13 per tier (SiLU(gate) * up in float32),
 requant (the down projection's int8 input), w2 per tier, combine; all buffers have fixed
 addresses per batch shape, so the op is CUDA-graph capturable once it has run eagerly for that
