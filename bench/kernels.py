@@ -58,6 +58,7 @@ SHAPES = {  # name: (hidden, inter, experts, top_k)
     "deepseek-v3-tp4": (7168, 512, 256, 8),
     "qwen3-235b-tp4": (4096, 384, 128, 8),
     "fixture": (128, 32, 64, 4),
+    "fixture-e16": (128, 32, 16, 4),  # prefill jobs (16 pairs per expert) from 64 tokens
 }
 
 
@@ -208,6 +209,7 @@ def validate_case(
     name, hidden, inter, n_experts, top_k, n_tok, gen, dtype, resident, pad, scales, tier
 ):
     from moet_kernels.loader import load
+    from moet_kernels.ops import job_size
     from moet_kernels.reference import _moe
 
     # tier "a>b": an `a` pool (half the experts, drawn independently) preferred over a `b` one
@@ -223,6 +225,7 @@ def validate_case(
     nr = torch.tensor([n_real], dtype=torch.int32, device="cuda")
     result = {"case": name, "hidden": hidden, "inter": inter, "experts": n_experts,
               "top_k": top_k, "tokens": n_tok, "real_tokens": n_real, "dtype": str(dtype),
+              "job_pairs": job_size(n_tok * top_k, n_experts),
               "resident": resident, "scales": scales, "tier": tier,
               "slow_tiles": layer.lay.slow_tile_fractions(layer.pool[0])}  # fmt: skip
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -314,10 +317,13 @@ def validate(gen, reduced: bool) -> list[dict]:
             ("fixture", 80, torch.bfloat16, 0.6, 3, "trained", "fp4r>w2"),
             ("fixture", 5, torch.float32, 0.7, 2, "wide", "fp4x-nvfp4"),
             ("fixture", 80, torch.bfloat16, 0.6, 3, "trained", "fp4x-nvfp4>w2"),
+            ("fixture-e16", 64, torch.float32, 0.8, 3, "wide", "w2"),  # prefill jobs
+            ("fixture-e16", 64, torch.bfloat16, 0.8, 3, "trained", "fp4r>w2"),
+            ("fixture-e16", 64, torch.bfloat16, 0.8, 3, "trained", "fp4x-nvfp4>w2"),
         ]
     else:
         plan = []
-        for name in SHAPES:
+        for name in (n for n in SHAPES if n != "fixture-e16"):
             small = name in ("fixture", "qwen3-235b-tp4", "deepseek-v3-tp4")
             for n_tok in (1, 3, 8, 32, 100) if small else (1, 8, 32):
                 plan.append((name, n_tok, torch.float32, 1.0, 0, "trained", "w2"))
@@ -344,6 +350,13 @@ def validate(gen, reduced: bool) -> list[dict]:
             plan.append((name, 8, torch.bfloat16, 0.6, 3, "trained", "fp4x-nvfp4>w2"))
             plan.append((name, 33, torch.float32, 0.5, 5, "trained", "fp4r>w2"))
             plan.append((name, 256, torch.bfloat16, 0.8, 7, "trained", "fp4r>w2"))
+        # prefill jobs (16 pairs per expert on average): the kernels' _t16 variants; the small
+        # shapes' 300- and 256-token cases above take them too
+        for tier in ("w2", "fp4r", "fp4x-nvfp4", "fp4r>w2", "fp4x-nvfp4>w2"):
+            plan.append(("glm-5.2", 512, torch.bfloat16, 0.9, 7, "trained", tier))
+        for tier in ("w2", "fp4r", "fp4x-nvfp4", "fp4x-mxfp4>w2"):
+            plan.append(("fixture-e16", 64, torch.float32, 0.8, 5, "wide", tier))
+        plan.append(("qwen3-235b-tp4", 300, torch.float32, 1.0, 0, "wide", "w2"))
     for name, n_tok, dtype, resident, pad, scales, tier in plan:
         h, i, e, k = SHAPES[name]
         t0 = time.time()
@@ -351,7 +364,7 @@ def validate(gen, reduced: bool) -> list[dict]:
         r["seconds"] = round(time.time() - t0, 2)
         results.append(r)
         print(
-            f"{'ok  ' if r['ok'] else 'FAIL'} {tier:10s} {name:16s} T={n_tok:3d} {str(dtype)[6:]:8s} "
+            f"{'ok  ' if r['ok'] else 'FAIL'} {tier:10s} {name:16s} T={n_tok:3d} job={r['job_pairs']:2d} {str(dtype)[6:]:8s} "
             f"{scales:7s} slow={r['slow_tiles']['w13']:.2f} res={resident:.1f} rel_k={r['rel_vs_kernel_ref']:.2e} "
             f"rel_x={r['rel_vs_exact_ref']:.2e} (ref_k vs ref_x {r['rel_kernel_ref_vs_exact_ref']:.2e}) "
             f"miss={r['miss_count']} rerun={r['rerun_identical']} grid={r['grid_independent']} "
@@ -514,6 +527,30 @@ def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier
     return out
 
 
+def prefill_ab(gen, tokens, tiers=("w2", "fp4r", "fp4x-nvfp4")) -> dict:
+    """Prefill sizes timed with the kernels' decode jobs (8 pairs, forced) and with their prefill
+    jobs (16 pairs: two n-tiles per decoded fragment), same run, same layers."""
+    from moet_kernels import ops
+
+    out = {}
+    for tier in tiers:
+        layers = glm_layers(gen, tier=tier)
+        bw = copy_bandwidth()
+        rows = out[tier] = {"copy_bandwidth_GBps": bw / 1e9}
+        for n_tok in tokens:
+            for label, threshold in (("jobs of 8", 1 << 30), ("jobs of 16", None)):
+                saved = ops.PREFILL_PAIRS_PER_EXPERT
+                ops.PREFILL_PAIRS_PER_EXPERT = threshold or saved
+                try:
+                    print(f"{tier} {label}:", end=" ")
+                    rows[f"{n_tok} tokens, {label}"] = time_batch(layers, n_tok, gen, bw)
+                finally:
+                    ops.PREFILL_PAIRS_PER_EXPERT = saved
+        del layers
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", help="result folder (default bench/results/kernels/)")
@@ -523,6 +560,8 @@ def main() -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-scales timing")
     ap.add_argument("--no-fp4", action="store_true", help="skip the FP4 (fp4r, NVFP4) timing")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[],
+                    help="also time these token counts with jobs of 8 and of 16 pairs")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
@@ -559,6 +598,8 @@ def main() -> int:
                 "NVFP4 rows (fp4x-nvfp4: e2m1, e4m3 per 16, float32 per row; 4.5 bits per weight)"
             )
             report["timing_nvfp4"] = time_layers(gen, batches=(1, 8, 32), tier="fp4x-nvfp4")
+        if args.prefill:
+            report["timing_prefill"] = prefill_ab(gen, args.prefill)
     report["nvcc_flags"] = os.environ.get("MOET_NVCC_FLAGS", "")
     write_result("kernels", report, machine(), args.out)
     return 0 if ok else 1

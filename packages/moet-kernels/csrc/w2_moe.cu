@@ -28,7 +28,7 @@
 
 namespace {
 
-constexpr int TOK = 8;       // pairs per job: the mma's N
+constexpr int TOK = 8;       // pairs per mma n-tile (the mma's N); a job holds 1 or 2 tiles
 constexpr int KCHUNK = 128;  // K per chunk: 4 k-tiles of 32, one 16-byte load per lane
 constexpr int WARPS = 4;     // split-K warps per CTA
 constexpr int THREADS = WARPS * 32;
@@ -108,31 +108,46 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// A work item's activation columns, per n-tile n of its job: the int8 row of column g (token of
+// pair 8n + g; null for an empty slot), the activation scales of columns 2tig and 2tig + 1 and
+// their pairs (where the epilogue writes).
+template <int NT>
+struct Cols {
+  const int8_t* act_g[NT];
+  const float* as0[NT];
+  const float* as1[NT];
+  int p0[NT], p1[NT];  // the pairs of columns 2tig and 2tig + 1 (-1: empty)
+};
+
 // One K chunk's operands for one warp: codes and scale words of the 4 row tiles (rows g, g+8),
-// the slow-tile flags, the activation fragments of column g (its 32-block tig) and the chunk's
-// activation scales of columns 2*tig and 2*tig+1.
+// the slow-tile flags, and per n-tile the activation fragments of column g (its 32-block tig)
+// and the chunk's activation scales of columns 2*tig and 2*tig+1.
 // CW: 16-byte code pieces per lane (W2: 1 per row tile; FP4: 2, the lane's 32 bytes).
-template <int CW>
+// NT: n-tiles per job (1; 2 for prefill jobs of 16 pairs, where one decode feeds two mmas).
+template <int CW, int NT>
 struct ChunkT {
+  static constexpr int kTiles = NT;
   static constexpr int kCodeBytes = CODE_CHUNK * CW / 4;  // per (64-row group, K chunk)
   static constexpr int kScaleHead = 0;                    // scale bytes per group before chunk 0
   static constexpr int kScaleBytes = SCALE_CHUNK;         // per (64-row group, K chunk)
   uint4 cw[CW];
   uint2 sw[4];
   uint32_t slow;
-  uint4 b_lo, b_hi;
-  float x0, x1;
+  uint4 b_lo[NT], b_hi[NT];
+  float x0[NT], x1[NT];
 };
-using Chunk = ChunkT<4>;
-using ChunkFp4 = ChunkT<8>;
+template <int NT>
+using Chunk = ChunkT<4, NT>;
+template <int NT>
+using ChunkFp4 = ChunkT<8, NT>;
 
-template <int CW>
-__device__ __forceinline__ void load_chunk(ChunkT<CW>& k, const uint8_t* codes,
-                                           const uint8_t* scales, int c, const int8_t* act_g,
-                                           const float* as0, const float* as1, int lane) {
-  const int g = lane >> 2, tig = lane & 3;
+template <int CW, int NT>
+__device__ __forceinline__ void load_chunk(ChunkT<CW, NT>& k, const uint8_t* codes,
+                                           const uint8_t* scales, int c, const Cols<NT>& cols,
+                                           int lane) {
+  const int tig = lane & 3, g = lane >> 2;
   constexpr int PER = CW / 4;  // pieces per lane and row tile
-  const uint8_t* cc = codes + (size_t)c * ChunkT<CW>::kCodeBytes;
+  const uint8_t* cc = codes + (size_t)c * ChunkT<CW, NT>::kCodeBytes;
 #pragma unroll
   for (int q = 0; q < CW; ++q)
     k.cw[q] = ld_stream16(cc + (q / PER) * 512 * PER + (lane * PER + q % PER) * 16);
@@ -140,39 +155,76 @@ __device__ __forceinline__ void load_chunk(ChunkT<CW>& k, const uint8_t* codes,
   for (int rt = 0; rt < 4; ++rt)
     k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
   k.slow = ld_stream4(scales + (size_t)c * SCALE_CHUNK + SLOW_FLAGS);
-  k.b_lo = k.b_hi = make_uint4(0, 0, 0, 0);
-  if (act_g) {
-    const uint4* p = reinterpret_cast<const uint4*>(act_g + c * KCHUNK + tig * 32);
-    k.b_lo = p[0];
-    k.b_hi = p[1];
-  }
   // FP4 levels are 2 * e2m1: their half scale goes with the activation scale (exact)
   constexpr float HALF = CW == 8 ? 0.5f : 1.f;
-  k.x0 = as0 ? HALF * as0[c] : 0.f;
-  k.x1 = as1 ? HALF * as1[c] : 0.f;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    k.b_lo[n] = k.b_hi[n] = make_uint4(0, 0, 0, 0);
+    if (cols.act_g[n]) {
+      const uint4* p = reinterpret_cast<const uint4*>(cols.act_g[n] + c * KCHUNK + tig * 32);
+      k.b_lo[n] = p[0];
+      k.b_hi[n] = p[1];
+    }
+    k.x0[n] = cols.as0[n] ? HALF * cols.as0[n][c] : 0.f;
+    k.x1[n] = cols.as1[n] ? HALF * cols.as1[n][c] : 0.f;
+  }
+}
+
+// The B fragment (b0, b1) of n-tile n for k-tile tt: column g's activations of its 32-block.
+template <int CW, int NT>
+__device__ __forceinline__ uint2 b_frag(const ChunkT<CW, NT>& k, int n, int tt) {
+  const uint4& v = tt < 2 ? k.b_lo[n] : k.b_hi[n];
+  return make_uint2(word_of(v, (tt & 1) * 2), word_of(v, (tt & 1) * 2 + 1));
 }
 
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
 // (row g+8) and accumulates its mma into acc. A PRMT selector nibble's bit 2 picks the second
 // source (the same table: don't care), bit 3 must be clear.
-__device__ __forceinline__ void tile_mma(uint32_t (&acc)[4], const Chunk& k, int rt, int tt,
+// The A fragment is decoded once and feeds the mma of every n-tile.
+template <int NT>
+__device__ __forceinline__ void tile_mma(uint32_t (&acc)[NT][4], const Chunk<NT>& k, int rt, int tt,
                                          uint32_t tab, uint32_t tab8) {
-  const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
-  const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
   const uint32_t w = word_of(k.cw[rt], tt);
   const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
-  mma_s8(acc, __byte_perm(tab, tab, lo), __byte_perm(tab8, tab8, hi),
-         __byte_perm(tab, tab, lo >> 16), __byte_perm(tab8, tab8, hi >> 16), b0, b1);
+  const uint32_t a0 = __byte_perm(tab, tab, lo), a1 = __byte_perm(tab8, tab8, hi);
+  const uint32_t a2 = __byte_perm(tab, tab, lo >> 16), a3 = __byte_perm(tab8, tab8, hi >> 16);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const uint2 b = b_frag(k, n, tt);
+    mma_s8(acc[n], a0, a1, a2, a3, b.x, b.y);
+  }
 }
 
-// f[rt][0..3] += the int32 sums acc (biased by MAGIC) x the scales of rows g / g+8 (s, s8) and of
-// columns 2tig / 2tig+1.
-__device__ __forceinline__ void promote(float (&f)[4], const uint32_t (&acc)[4], float s, float s8,
-                                        const Chunk& k) {
-  f[0] = fmaf(__uint_as_float(acc[0]) - MAGIC, s * k.x0, f[0]);
-  f[1] = fmaf(__uint_as_float(acc[1]) - MAGIC, s * k.x1, f[1]);
-  f[2] = fmaf(__uint_as_float(acc[2]) - MAGIC, s8 * k.x0, f[2]);
-  f[3] = fmaf(__uint_as_float(acc[3]) - MAGIC, s8 * k.x1, f[3]);
+// f[n][rt][0..3] += d[n] (the chunk's sums of rows g, g / g+8, g+8 x columns 2tig, 2tig+1 of
+// n-tile n) x the scales of rows g / g+8 (s, s8) and of the columns.
+template <class K>
+__device__ __forceinline__ void promote(float (&f)[K::kTiles][4][4], int rt,
+                                        const float (&d)[K::kTiles][4], float s, float s8,
+                                        const K& k) {
+#pragma unroll
+  for (int n = 0; n < K::kTiles; ++n) {
+    f[n][rt][0] = fmaf(d[n][0], s * k.x0[n], f[n][rt][0]);
+    f[n][rt][1] = fmaf(d[n][1], s * k.x1[n], f[n][rt][1]);
+    f[n][rt][2] = fmaf(d[n][2], s8 * k.x0[n], f[n][rt][2]);
+    f[n][rt][3] = fmaf(d[n][3], s8 * k.x1[n], f[n][rt][3]);
+  }
+}
+
+// The int32 sums (biased by MAGIC) as floats: one FADD each.
+template <int NT>
+__device__ __forceinline__ void unbias(float (&d)[NT][4], const uint32_t (&acc)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[n][i] = __uint_as_float(acc[n][i]) - MAGIC;
+}
+
+template <int NT>
+__device__ __forceinline__ void set_bias(uint32_t (&acc)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[n][i] = MAGIC_BITS;
 }
 
 // The level table (-4v, -v, v, 4v) of this lane's 32-block from a fast tile's word, whose bits
@@ -181,48 +233,54 @@ __device__ __forceinline__ uint32_t fast_table(uint32_t word, int tig) {
   return ((word >> (5 * tig)) & 31u) * 0x0400FEFCu + 0x10100u;
 }
 
-// f[rt][0..3] += rows g / g+8 of row tile rt x columns 2tig / 2tig+1, over one chunk.
-// Fast tiles: the chunk's 4 k-tiles accumulate in int32 and one promotion applies 2^(b_min - 127)
-// (a fast word's bits 23..30 hold b_min, so masking them gives the float) times the activation
-// scale. When no tile of the chunk is slow (the common case) the 4 row tiles' mma chains run
-// interleaved. A slow tile's words are the 4 raw scale bytes: one pass per 32-block j, where only
-// lane group j's table is non-zero, promoted with that block's scales (a byte of 0 reads as 0).
-__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Chunk& k, int tig) {
+// f[n][rt][0..3] += rows g / g+8 of row tile rt x columns 2tig / 2tig+1 of n-tile n, over one
+// chunk. Fast tiles: the chunk's 4 k-tiles accumulate in int32 and one promotion applies
+// 2^(b_min - 127) (a fast word's bits 23..30 hold b_min, so masking them gives the float) times
+// the activation scale. When no tile of the chunk is slow (the common case) the 4 row tiles' mma
+// chains run interleaved. A slow tile's words are the 4 raw scale bytes: one pass per 32-block j,
+// where only lane group j's table is non-zero, promoted with that block's scales (a byte of 0
+// reads as 0).
+template <int NT>
+__device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const Chunk<NT>& k, int tig) {
+  float d[NT][4];
   if (k.slow == 0) {
-    uint32_t acc[4][4];
+    uint32_t acc[4][NT][4];
 #pragma unroll
-    for (int rt = 0; rt < 4; ++rt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[rt][i] = MAGIC_BITS;
+    for (int rt = 0; rt < 4; ++rt) set_bias(acc[rt]);
 #pragma unroll
     for (int tt = 0; tt < 4; ++tt)
 #pragma unroll
       for (int rt = 0; rt < 4; ++rt)
         tile_mma(acc[rt], k, rt, tt, fast_table(k.sw[rt].x, tig), fast_table(k.sw[rt].y, tig));
 #pragma unroll
-    for (int rt = 0; rt < 4; ++rt)
-      promote(f[rt], acc[rt], __uint_as_float(k.sw[rt].x & 0x7F800000u),
+    for (int rt = 0; rt < 4; ++rt) {
+      unbias(d, acc[rt]);
+      promote(f, rt, d, __uint_as_float(k.sw[rt].x & 0x7F800000u),
               __uint_as_float(k.sw[rt].y & 0x7F800000u), k);
+    }
     return;
   }
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) {
     const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
+    uint32_t acc[NT][4];
     if (!((k.slow >> (8 * rt)) & 1u)) {
-      uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
+      set_bias(acc);
 #pragma unroll
       for (int tt = 0; tt < 4; ++tt)
         tile_mma(acc, k, rt, tt, fast_table(wg, tig), fast_table(wg8, tig));
-      promote(f[rt], acc, __uint_as_float(wg & 0x7F800000u), __uint_as_float(wg8 & 0x7F800000u), k);
+      unbias(d, acc);
+      promote(f, rt, d, __uint_as_float(wg & 0x7F800000u), __uint_as_float(wg8 & 0x7F800000u), k);
       continue;
     }
 #pragma unroll 1
     for (int j = 0; j < 4; ++j) {
       const uint32_t tab = tig == j ? LEVELS : 0u;
-      uint32_t acc[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
+      set_bias(acc);
 #pragma unroll
       for (int tt = 0; tt < 4; ++tt) tile_mma(acc, k, rt, tt, tab, tab);
-      promote(f[rt], acc, ue8m0(wg, j), ue8m0(wg8, j), k);
+      unbias(d, acc);
+      promote(f, rt, d, ue8m0(wg, j), ue8m0(wg8, j), k);
     }
   }
 }
@@ -242,61 +300,66 @@ struct Fp4Tables {
 // half, one A register's four e2m1 codes. The positive weights are PRMT(table, code): a code with
 // the sign bit set selects its magnitude in sign-replicate mode, which gives 0 (every table byte
 // is below 0x80); the negative ones are the same with the sign bits flipped. So W x = P x - N x,
-// two mma chains (pos, neg), and no per-byte negation.
-__device__ __forceinline__ void fp4_tile_mma(uint32_t (&pos)[4], uint32_t (&neg)[4],
-                                             const ChunkFp4& k, int rt, int tt,
+// two mma chains (pos, neg) per n-tile, and no per-byte negation.
+template <int NT>
+__device__ __forceinline__ void fp4_tile_mma(uint32_t (&pos)[NT][4], uint32_t (&neg)[NT][4],
+                                             const ChunkFp4<NT>& k, int rt, int tt,
                                              const Fp4Tables& t) {
-  const uint32_t b0 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2);
-  const uint32_t b1 = word_of(tt < 2 ? k.b_lo : k.b_hi, (tt & 1) * 2 + 1);
   const uint4& q = k.cw[2 * rt + (tt >> 1)];
   const uint32_t w = word_of(q, (tt & 1) * 2), w8 = word_of(q, (tt & 1) * 2 + 1);
   const uint32_t n = w ^ 0x88888888u, n8 = w8 ^ 0x88888888u;
-  mma_s8(pos, prmt(t.lo, t.hi, w), prmt(t.lo8, t.hi8, w8), prmt(t.lo, t.hi, w >> 16),
-         prmt(t.lo8, t.hi8, w8 >> 16), b0, b1);
-  mma_s8(neg, prmt(t.lo, t.hi, n), prmt(t.lo8, t.hi8, n8), prmt(t.lo, t.hi, n >> 16),
-         prmt(t.lo8, t.hi8, n8 >> 16), b0, b1);
+  const uint32_t p0 = prmt(t.lo, t.hi, w), p1 = prmt(t.lo8, t.hi8, w8);
+  const uint32_t p2 = prmt(t.lo, t.hi, w >> 16), p3 = prmt(t.lo8, t.hi8, w8 >> 16);
+  const uint32_t n0 = prmt(t.lo, t.hi, n), n1 = prmt(t.lo8, t.hi8, n8);
+  const uint32_t n2 = prmt(t.lo, t.hi, n >> 16), n3 = prmt(t.lo8, t.hi8, n8 >> 16);
+#pragma unroll
+  for (int c = 0; c < NT; ++c) {
+    const uint2 b = b_frag(k, c, tt);
+    mma_s8(pos[c], p0, p1, p2, p3, b.x, b.y);
+    mma_s8(neg[c], n0, n1, n2, n3, b.x, b.y);
+  }
 }
 
-// f[rt][0..3] += (P - N) x scales: both sums are biased by MAGIC, so one FADD gives P - N.
-__device__ __forceinline__ void promote_fp4(float (&f)[4], const uint32_t (&pos)[4],
-                                            const uint32_t (&neg)[4], float s, float s8,
-                                            const ChunkFp4& k) {
-  float d[4];
+// P - N as floats: both sums are biased by MAGIC, so one FADD each.
+template <int NT>
+__device__ __forceinline__ void difference(float (&d)[NT][4], const uint32_t (&pos)[NT][4],
+                                           const uint32_t (&neg)[NT][4]) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] = __uint_as_float(pos[i]) - __uint_as_float(neg[i]);
-  f[0] = fmaf(d[0], s * k.x0, f[0]);
-  f[1] = fmaf(d[1], s * k.x1, f[1]);
-  f[2] = fmaf(d[2], s8 * k.x0, f[2]);
-  f[3] = fmaf(d[3], s8 * k.x1, f[3]);
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[n][i] = __uint_as_float(pos[n][i]) - __uint_as_float(neg[n][i]);
 }
 
 // The FP4 tiers' chunk: as for W2 (same scale words; the packer keeps fast tiles within a spread
 // of 3, so v <= 8 and 12 v <= 96 fits an int8), with P/N mma chains per row tile.
-__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, int tig) {
+template <int NT>
+__device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const ChunkFp4<NT>& k, int tig) {
+  float d[NT][4];
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) {
     const uint32_t wg = k.sw[rt].x, wg8 = k.sw[rt].y;
-    uint32_t pos[4], neg[4];
+    uint32_t pos[NT][4], neg[NT][4];
     if (!((k.slow >> (8 * rt)) & 1u)) {
       const uint32_t v = (wg >> (5 * tig)) & 31u, v8 = (wg8 >> (5 * tig)) & 31u;
       const Fp4Tables t = {v * FP4_LO, v * FP4_HI, v8 * FP4_LO, v8 * FP4_HI};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pos[i] = neg[i] = MAGIC_BITS;
+      set_bias(pos);
+      set_bias(neg);
 #pragma unroll
       for (int tt = 0; tt < 4; ++tt) fp4_tile_mma(pos, neg, k, rt, tt, t);
-      promote_fp4(f[rt], pos, neg, __uint_as_float(wg & 0x7F800000u),
-                  __uint_as_float(wg8 & 0x7F800000u), k);
+      difference(d, pos, neg);
+      promote(f, rt, d, __uint_as_float(wg & 0x7F800000u), __uint_as_float(wg8 & 0x7F800000u), k);
       continue;
     }
 #pragma unroll 1
     for (int j = 0; j < 4; ++j) {
       const uint32_t lo = tig == j ? FP4_LO : 0u, hi = tig == j ? FP4_HI : 0u;
       const Fp4Tables t = {lo, hi, lo, hi};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pos[i] = neg[i] = MAGIC_BITS;
+      set_bias(pos);
+      set_bias(neg);
 #pragma unroll
       for (int tt = 0; tt < 4; ++tt) fp4_tile_mma(pos, neg, k, rt, tt, t);
-      promote_fp4(f[rt], pos, neg, ue8m0(wg, j), ue8m0(wg8, j), k);
+      difference(d, pos, neg);
+      promote(f, rt, d, ue8m0(wg, j), ue8m0(wg8, j), k);
     }
   }
 }
@@ -306,30 +369,37 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const ChunkFp4& k, i
 // k16 tile of the native layout is one 16-block of every row: its sum (one mma, mma_chunk) is
 // promoted with that block's scales of rows g and g+8 into float32 per chunk, the chunk's
 // activation scale follows, and scale_2 once per row at the end of the work item (scale_rows).
+template <int NT>
 struct Nvfp4Chunk {
+  static constexpr int kTiles = NT;
   static constexpr int kCodeBytes = 2 * CODE_CHUNK;
   static constexpr int kScaleHead = 256;   // the group's 64 float32 scale_2, before its chunks
   static constexpr int kScaleBytes = 512;  // 4 row tiles x 8 lane groups x 8 blocks x 2 rows
-  uint4 cw[8];    // row tile rt, k16 tile kt: cw[2rt + kt / 4], word kt % 4
-  uint4 sw;       // row tile tig (the quad shares them): byte 2kt + j: row g + 8j, block kt
-  uint32_t b[8];  // k16 tile kt: k 16kt + 4tig .. + 3 of column g
-  float x0, x1;
+  uint4 cw[8];        // row tile rt, k16 tile kt: cw[2rt + kt / 4], word kt % 4
+  uint4 sw;           // row tile tig (the quad shares them): byte 2kt + j: row g + 8j, block kt
+  uint32_t b[NT][8];  // k16 tile kt: k 16kt + 4tig .. + 3 of column g
+  float x0[NT], x1[NT];
 };
 
-__device__ __forceinline__ void load_chunk(Nvfp4Chunk& k, const uint8_t* codes,
-                                           const uint8_t* scales, int c, const int8_t* act_g,
-                                           const float* as0, const float* as1, int lane) {
+template <int NT>
+__device__ __forceinline__ void load_chunk(Nvfp4Chunk<NT>& k, const uint8_t* codes,
+                                           const uint8_t* scales, int c, const Cols<NT>& cols,
+                                           int lane) {
   const int g = lane >> 2, tig = lane & 3;
-  const uint8_t* cc = codes + (size_t)c * Nvfp4Chunk::kCodeBytes;
+  const uint8_t* cc = codes + (size_t)c * Nvfp4Chunk<NT>::kCodeBytes;
 #pragma unroll
   for (int q = 0; q < 8; ++q) k.cw[q] = ld_stream16(cc + (q / 2) * 1024 + (lane * 2 + q % 2) * 16);
-  k.sw = ld_stream16(scales + (size_t)c * Nvfp4Chunk::kScaleBytes + tig * 128 + g * 16);
+  k.sw = ld_stream16(scales + (size_t)c * Nvfp4Chunk<NT>::kScaleBytes + tig * 128 + g * 16);
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt)
-    k.b[kt] =
-        act_g ? *reinterpret_cast<const uint32_t*>(act_g + c * KCHUNK + 16 * kt + 4 * tig) : 0u;
-  k.x0 = as0 ? 0.5f * as0[c] : 0.f;  // levels are 2 * e2m1
-  k.x1 = as1 ? 0.5f * as1[c] : 0.f;
+  for (int n = 0; n < NT; ++n) {
+    const int8_t* act = cols.act_g[n];
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt)
+      k.b[n][kt] =
+          act ? *reinterpret_cast<const uint32_t*>(act + c * KCHUNK + 16 * kt + 4 * tig) : 0u;
+    k.x0[n] = cols.as0[n] ? 0.5f * cols.as0[n][c] : 0.f;  // levels are 2 * e2m1
+    k.x1[n] = cols.as1[n] ? 0.5f * cols.as1[n][c] : 0.f;
+  }
 }
 
 // Byte j of a scale half-word as float32: the e4m3's 7 magnitude bits (the packer refuses a
@@ -347,12 +417,15 @@ __device__ __forceinline__ uint32_t neg_s8x4(uint32_t v) {
 
 // One mma.m16n8k32 per (row tile, block): k 0..15 are the block's positive weights P against the
 // activations, k 16..31 its negative ones N (sign bits flipped, as in fp4_tile_mma) against the
-// negated activations, so the int32 sum is P x - N x, biased by MAGIC for the FADD.
-__device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Nvfp4Chunk& k, int) {
+// negated activations, so the int32 sum is P x - N x, biased by MAGIC for the FADD. One n-tile
+// at a time (kTiles 1): a prefill job's two tiles take two passes over the item (gemm_job).
+template <int NT>
+__device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const Nvfp4Chunk<NT>& k, int) {
+  static_assert(NT == 1, "NVFP4 decodes for one n-tile: two would spill");
   const int quad = (threadIdx.x & 31) & ~3;
   uint32_t nb[8];
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) nb[kt] = neg_s8x4(k.b[kt]);
+  for (int kt = 0; kt < 8; ++kt) nb[kt] = neg_s8x4(k.b[0][kt]);
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -363,70 +436,101 @@ __device__ __forceinline__ void mma_chunk(float (&f)[4][4], const Nvfp4Chunk& k,
       const uint32_t w = word_of(k.cw[2 * rt + (kt >> 2)], kt & 3), n = w ^ 0x88888888u;
       uint32_t d[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
       mma_s8(d, prmt(FP4_LO, FP4_HI, w), prmt(FP4_LO, FP4_HI, w >> 16), prmt(FP4_LO, FP4_HI, n),
-             prmt(FP4_LO, FP4_HI, n >> 16), k.b[kt], nb[kt]);
+             prmt(FP4_LO, FP4_HI, n >> 16), k.b[0][kt], nb[kt]);
       const uint32_t half_word = sw >> (16 * (kt & 1));
       const float s = e4m3(half_word, 0), s8 = e4m3(half_word, 1);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         acc[i] = fmaf(__uint_as_float(d[i]) - MAGIC, i < 2 ? s : s8, acc[i]);
     }
-    f[rt][0] = fmaf(acc[0], k.x0, f[rt][0]);
-    f[rt][1] = fmaf(acc[1], k.x1, f[rt][1]);
-    f[rt][2] = fmaf(acc[2], k.x0, f[rt][2]);
-    f[rt][3] = fmaf(acc[3], k.x1, f[rt][3]);
+    f[0][rt][0] = fmaf(acc[0], k.x0[0], f[0][rt][0]);
+    f[0][rt][1] = fmaf(acc[1], k.x1[0], f[0][rt][1]);
+    f[0][rt][2] = fmaf(acc[2], k.x0[0], f[0][rt][2]);
+    f[0][rt][3] = fmaf(acc[3], k.x1[0], f[0][rt][3]);
   }
 }
 
 // NVFP4's per-row scale_2 (the group's scale head: 64 float32 in group row order) on a reduced
-// item: f[rt][j] is row 16rt + g + 8(j / 2). Other chunk types have no head and no row scale.
-template <class K>
-__device__ __forceinline__ void scale_rows(float (&f)[4][4], const uint8_t* group_scales, int g) {
+// item: f[n][rt][j] is row 16rt + g + 8(j / 2). Other chunk types have no head and no row scale.
+template <class K, int NT>
+__device__ __forceinline__ void scale_rows(float (&f)[NT][4][4], const uint8_t* group_scales,
+                                           int g) {
   if constexpr (K::kScaleHead > 0) {
     const float* s2 = reinterpret_cast<const float*>(group_scales);
 #pragma unroll
     for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
-      for (int j = 0; j < 4; ++j) f[rt][j] *= s2[16 * rt + g + 8 * (j >> 1)];
+      for (int j = 0; j < 4; ++j) {
+        const float v = s2[16 * rt + g + 8 * (j >> 1)];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) f[n][rt][j] *= v;
+      }
   }
 }
 
-// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against up to 8
-// activation rows. f[rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and 2*tig+1.
-// The next chunk's loads are issued before the current chunk's math (two chunks in flight).
+// One warp's share (chunks warp, warp + 4, ...) of a 64-row x K tile product against the job's
+// activation columns. f[n][rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and
+// 2*tig+1 of n-tile n. The next chunk's loads are issued before the current chunk's math (two
+// chunks in flight).
 template <class K>
-__device__ __forceinline__ void gemm64(float (&f)[4][4], const uint8_t* codes,
-                                       const uint8_t* scales, int nchunks, const int8_t* act_g,
-                                       const float* as0, const float* as1, int warp, int lane) {
+__device__ __forceinline__ void gemm64(float (&f)[K::kTiles][4][4], const uint8_t* codes,
+                                       const uint8_t* scales, int nchunks,
+                                       const Cols<K::kTiles>& cols, int warp, int lane) {
 #pragma unroll
-  for (int rt = 0; rt < 4; ++rt)
+  for (int n = 0; n < K::kTiles; ++n)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) f[rt][j] = 0.f;
+    for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) f[n][rt][j] = 0.f;
   if (warp >= nchunks) return;
   K a, b;  // ping-pong: no register copies between iterations
-  load_chunk(a, codes, scales, warp, act_g, as0, as1, lane);
+  load_chunk(a, codes, scales, warp, cols, lane);
 #pragma unroll 1
   for (int c = warp; c < nchunks; c += 2 * WARPS) {
-    if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, act_g, as0, as1, lane);
+    if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, cols, lane);
     mma_chunk(f, a, lane & 3);
     if (c + WARPS >= nchunks) break;
-    if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, act_g, as0, as1, lane);
+    if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, cols, lane);
     mma_chunk(f, b, lane & 3);
   }
 }
 
-// Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
-__device__ __forceinline__ void reduce_warps(float (&f)[4][4], float (*red)[16][32], int warp,
-                                             int lane) {
+// A job's JT n-tiles in passes of K::kTiles (one pass where the chunk type decodes for all of
+// them; NVFP4 takes two for a prefill job, streaming the item twice).
+template <class K, int JT>
+__device__ __forceinline__ void gemm_job(float (&f)[JT][4][4], const uint8_t* codes,
+                                         const uint8_t* scales, int nchunks, const Cols<JT>& cols,
+                                         int warp, int lane) {
+  constexpr int KT = K::kTiles;
+  static_assert(JT % KT == 0, "a job's tiles come in whole passes");
 #pragma unroll
-  for (int i = 0; i < 16; ++i) red[warp][i][lane] = f[i >> 2][i & 3];
+  for (int c0 = 0; c0 < JT; c0 += KT) {
+    Cols<KT> sub;
+#pragma unroll
+    for (int n = 0; n < KT; ++n) {
+      sub.act_g[n] = cols.act_g[c0 + n];
+      sub.as0[n] = cols.as0[c0 + n];
+      sub.as1[n] = cols.as1[c0 + n];
+    }
+    gemm64<K>(*reinterpret_cast<float(*)[KT][4][4]>(&f[c0]), codes, scales, nchunks, sub, warp,
+              lane);
+  }
+}
+
+// Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
+template <int NT>
+__device__ __forceinline__ void reduce_warps(float (&f)[NT][4][4], float (*red)[16 * NT][32],
+                                             int warp, int lane) {
+#pragma unroll
+  for (int i = 0; i < 16 * NT; ++i) red[warp][i][lane] = f[i >> 4][(i >> 2) & 3][i & 3];
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < 16 * NT; ++i) {
       float v = red[0][i][lane];
 #pragma unroll
       for (int w = 1; w < WARPS; ++w) v = __fadd_rn(v, red[w][i][lane]);
-      f[i >> 2][i & 3] = v;
+      f[i >> 4][(i >> 2) & 3][i & 3] = v;
     }
   }
 }
@@ -495,20 +599,22 @@ __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
   return warp_sums[warp] + incl - v;
 }
 
-// Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 8 per
-// job), pair flags, the miss counter and the routed mask. Blocks 1..: activation quantization.
-// Two tiers (fp4_slot_table non-null): an expert is computed from its FP4 slot where it has one,
-// else from its slot_table slot, else it is a miss (design.md, Residency). The FP4 tier's jobs
-// come first: n_jobs = {0, FP4 jobs, all jobs}, so the FP4 GEMMs take jobs [n_jobs[0], n_jobs[1])
-// and the other tier's [n_jobs[1], n_jobs[2]); job_slot holds the slot in that tier's pool.
-// The job lists are a stable counting sort: counts with shared-memory atomics (their order does
-// not matter), then tiles of 256 pairs placed by rank: a pair's place is the expert's pairs in
-// earlier tiles + in earlier warps of this tile + in lower lanes of its warp (match_any).
+// Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 2^job_shift
+// per job: 8, or 16 for prefill), pair flags, the miss counter and the routed mask. Blocks 1..:
+// activation quantization. Two tiers (fp4_slot_table non-null): an expert is computed from its FP4
+// slot where it has one, else from its slot_table slot, else it is a miss (design.md, Residency).
+// The FP4 tier's jobs come first: n_jobs = {0, FP4 jobs, all jobs}, so the FP4 GEMMs take jobs
+// [n_jobs[0], n_jobs[1]) and the other tier's [n_jobs[1], n_jobs[2]); job_slot holds the slot in
+// that tier's pool. The job lists are a stable counting sort: counts with shared-memory atomics
+// (their order does not matter), then tiles of 256 pairs placed by rank: a pair's place is the
+// expert's pairs in earlier tiles + in earlier warps of this tile + in lower lanes of its warp
+// (match_any).
 template <typename T>
 __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
                       const int* slot_table, const int* fp4_slot_table, int n_experts,
                       const int* n_real, int* miss_count, uint8_t* routed, int8_t* xq, float* xs,
-                      int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {
+                      int job_shift, int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {
+  const int job_tok = 1 << job_shift;
   pdl_enter();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS_R = ROUTE_THREADS / 32;
@@ -542,7 +648,7 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     for (int q = 0; q < PER; ++q) {
       const int e = e0 + q;
       if (e >= n_experts || s_slot[e] < 0) continue;
-      const int nj = (s_cnt[e] + TOK - 1) / TOK;
+      const int nj = (s_cnt[e] + job_tok - 1) >> job_shift;
       if (s_fp4[e])
         fp4_mine += nj;
       else
@@ -558,11 +664,11 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
       if (e >= n_experts) break;
       const bool fp4 = s_fp4[e];
       const int base = fp4 ? fp4_job : other_job;
-      const int nj = s_slot[e] >= 0 ? (s_cnt[e] + TOK - 1) / TOK : 0;
+      const int nj = s_slot[e] >= 0 ? (s_cnt[e] + job_tok - 1) >> job_shift : 0;
       s_base[e] = base;
       for (int j = base; j < base + nj; ++j) {
         job_slot[j] = s_slot[e];
-        for (int i = 0; i < TOK; ++i) job_pairs[j * TOK + i] = -1;
+        for (int i = 0; i < job_tok; ++i) job_pairs[(j << job_shift) + i] = -1;
       }
       if (fp4)
         fp4_job += nj;
@@ -588,7 +694,7 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
       if (e >= 0 && s_slot[e] >= 0) {
         int j = s_cnt[e] + rank;
         for (int w = 0; w < warp; ++w) j += s_wcnt[w][e];
-        job_pairs[(s_base[e] + j / TOK) * TOK + j % TOK] = p;
+        job_pairs[((s_base[e] + (j >> job_shift)) << job_shift) + (j & (job_tok - 1))] = p;
       }
       __syncthreads();
       if (e >= 0 && rank == 0) {
@@ -634,60 +740,80 @@ __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(
 
 }  // namespace
 
-#define MOET_ROUTE(NAME, T)                                                                     \
-  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                   \
-      NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,          \
-           const int* slot_table, const int* fp4_slot_table, int n_experts, const int* n_real,  \
-           int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int* n_jobs, int* job_slot, \
-           int* job_pairs, uint8_t* pair_ok) {                                                  \
-    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, fp4_slot_table, n_experts,     \
-             n_real, miss_count, routed, xq, xs, n_jobs, job_slot, job_pairs, pair_ok);         \
+#define MOET_ROUTE(NAME, T)                                                                        \
+  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                      \
+      NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,             \
+           const int* slot_table, const int* fp4_slot_table, int n_experts, const int* n_real,     \
+           int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int job_shift, int* n_jobs,    \
+           int* job_slot, int* job_pairs, uint8_t* pair_ok) {                                      \
+    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, fp4_slot_table, n_experts,        \
+             n_real, miss_count, routed, xq, xs, job_shift, n_jobs, job_slot, job_pairs, pair_ok); \
   }
 MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
 MOET_ROUTE(moet_route_f16, __half)
 MOET_ROUTE(moet_route_f32, float)
 
+// The work item's activation columns (Cols) for the job's pairs (8 per n-tile; -1: empty slot):
+// rows of act at row_of(pair) and scale rows of scale at the same row, `chunks` per row.
+template <int NT, class RowOf>
+__device__ __forceinline__ Cols<NT> job_cols(const int* pairs, const int8_t* act,
+                                             const float* scale, int act_row, int chunks, int g,
+                                             int tig, RowOf row_of) {
+  Cols<NT> c;
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    const int pg = pairs[TOK * n + g], p0 = pairs[TOK * n + 2 * tig],
+              p1 = pairs[TOK * n + 2 * tig + 1];
+    c.act_g[n] = pg >= 0 ? act + (size_t)row_of(pg) * act_row : nullptr;
+    c.as0[n] = p0 >= 0 ? scale + (size_t)row_of(p0) * chunks : nullptr;
+    c.as1[n] = p1 >= 0 ? scale + (size_t)row_of(p1) * chunks : nullptr;
+    c.p0[n] = p0;
+    c.p1[n] = p1;
+  }
+  return c;
+}
+
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
-template <class K>
+template <class K, int NT>
 __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
                                     const int8_t* xq, const float* xs, int hidden_p, int top_k,
                                     const int* job_range, const int* job_slot, const int* job_pairs,
                                     float* h, int inter_p) {
   pdl_enter();
-  __shared__ float red[WARPS][16][32];
+  __shared__ float red[WARPS][16 * NT][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int first = job_range[0], work = (job_range[1] - first) * n_units;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
     const int job = first + item / n_units, u = item % n_units;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
-    const int* pairs = job_pairs + job * TOK;
-    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
-    const int8_t* act_g = pg >= 0 ? xq + (size_t)(pg / top_k) * hidden_p : nullptr;
-    const float* as0 = p0 >= 0 ? xs + (size_t)(p0 / top_k) * (hidden_p / KCHUNK) : nullptr;
-    const float* as1 = p1 >= 0 ? xs + (size_t)(p1 / top_k) * (hidden_p / KCHUNK) : nullptr;
+    const int* pairs = job_pairs + job * TOK * NT;
+    const Cols<NT> cols = job_cols<NT>(pairs, xq, xs, hidden_p, hidden_p / KCHUNK, g, tig,
+                                       [top_k](int p) { return p / top_k; });
     const uint8_t* gs =  // the group's scales (its head, then its chunks)
         row + off_scales + (size_t)u * nchunks * K::kScaleBytes + (size_t)u * K::kScaleHead;
-    float f[4][4];
-    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead, nchunks,
-              act_g, as0, as1, warp, lane);
+    float f[NT][4][4];
+    gemm_job<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead,
+                nchunks, cols, warp, lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
       scale_rows<K>(f, gs, g);
-      // f[rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8, 16+g,
-      // 24+g of this unit; columns 2tig (j even) and 2tig+1
+      // f[n][rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8,
+      // 16+g, 24+g of this unit; columns 2tig (j even) and 2tig+1 of n-tile n
 #pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        const int pair = col ? p1 : p0;
-        if (pair < 0) continue;
-        float* dst = h + (size_t)pair * inter_p + u * 32;
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int rt = q >> 1, j = (q & 1) * 2 + col;
-          dst[(q & 1) * 8 + (q >> 1) * 16 + g] = __fmul_rn(silu(f[rt][j]), f[rt + 2][j]);
+        for (int col = 0; col < 2; ++col) {
+          const int pair = col ? cols.p1[n] : cols.p0[n];
+          if (pair < 0) continue;
+          float* dst = h + (size_t)pair * inter_p + u * 32;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int rt = q >> 1, j = (q & 1) * 2 + col;
+            dst[(q & 1) * 8 + (q >> 1) * 16 + g] = __fmul_rn(silu(f[n][rt][j]), f[n][rt + 2][j]);
+          }
         }
-      }
     }
     __syncthreads();  // red is reused by the next item
   }
@@ -715,65 +841,69 @@ extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, 
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-template <class K>
+template <class K, int NT>
 __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                    long long off_scales, int n_groups, int nchunks,
                                    const int8_t* aq, const float* as, int inter_p,
                                    const int* job_range, const int* job_slot, const int* job_pairs,
                                    float* y, int hidden) {
   pdl_enter();
-  __shared__ float red[WARPS][16][32];
+  __shared__ float red[WARPS][16 * NT][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int first = job_range[0], work = (job_range[1] - first) * n_groups;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
     const int job = first + item / n_groups, rg = item % n_groups;
     const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
-    const int* pairs = job_pairs + job * TOK;
-    const int pg = pairs[g], p0 = pairs[2 * tig], p1 = pairs[2 * tig + 1];
-    const int8_t* act_g = pg >= 0 ? aq + (size_t)pg * inter_p : nullptr;
-    const float* as0 = p0 >= 0 ? as + (size_t)p0 * (inter_p / KCHUNK) : nullptr;
-    const float* as1 = p1 >= 0 ? as + (size_t)p1 * (inter_p / KCHUNK) : nullptr;
+    const int* pairs = job_pairs + job * TOK * NT;
+    const Cols<NT> cols =
+        job_cols<NT>(pairs, aq, as, inter_p, inter_p / KCHUNK, g, tig, [](int p) { return p; });
     const uint8_t* gs =
         row + off_scales + (size_t)rg * nchunks * K::kScaleBytes + (size_t)rg * K::kScaleHead;
-    float f[4][4];
-    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
-              nchunks, act_g, as0, as1, warp, lane);
+    float f[NT][4][4];
+    gemm_job<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
+                nchunks, cols, warp, lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
       scale_rows<K>(f, gs, g);
 #pragma unroll
-      for (int rt = 0; rt < 4; ++rt)
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int n = rg * 64 + rt * 16 + g + (j >> 1) * 8;
-          const int pair = (j & 1) ? p1 : p0;
-          if (pair >= 0 && n < hidden) y[(size_t)pair * hidden + n] = f[rt][j];
-        }
+        for (int rt = 0; rt < 4; ++rt)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int r = rg * 64 + rt * 16 + g + (j >> 1) * 8;
+            const int pair = (j & 1) ? cols.p1[n] : cols.p0[n];
+            if (pair >= 0 && r < hidden) y[(size_t)pair * hidden + r] = f[n][rt][j];
+          }
     }
     __syncthreads();
   }
 }
 
 // Entry points: W2 rows, FP4 rows (fp4r, fp4x-mxfp4) and NVFP4 rows (fp4x-nvfp4) share everything
-// but the chunk type.
-#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
-      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
-    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
-           job_range, job_slot, job_pairs, h, inter_p);                                           \
-  }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
-      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
-    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, job_range, \
-          job_slot, job_pairs, y, hidden);                                                        \
+// but the chunk type; each comes for decode jobs of 8 pairs (one n-tile) and, suffix _t16, for
+// prefill jobs of 16 (two n-tiles sharing each decoded fragment).
+#define MOET_GEMMS(SUFFIX, K, NT, BLOCKS)                                                          \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                  \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,        \
+      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,        \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {    \
+    w13<K, NT>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k, \
+               job_range, job_slot, job_pairs, h, inter_p);                                        \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                   \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,        \
+      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                   \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {     \
+    w2<K, NT>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p,         \
+              job_range, job_slot, job_pairs, y, hidden);                                          \
   }
-MOET_GEMMS(, Chunk, GEMM_BLOCKS)
-MOET_GEMMS(_fp4, ChunkFp4, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_nvfp4, Nvfp4Chunk, GEMM_BLOCKS_FP4)
+MOET_GEMMS(, Chunk<1>, 1, GEMM_BLOCKS)
+MOET_GEMMS(_fp4, ChunkFp4<1>, 1, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_nvfp4, Nvfp4Chunk<1>, 1, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_t16, Chunk<2>, 2, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_fp4_t16, ChunkFp4<2>, 2, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_nvfp4_t16, Nvfp4Chunk<1>, 2, GEMM_BLOCKS_FP4)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).

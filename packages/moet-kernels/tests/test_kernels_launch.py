@@ -4,7 +4,8 @@
 this machine): every launch must pass as many arguments as the kernel declares, each of the
 declared size (`param_sizes` in sass/<cubin>.json, which the SASS audit reads from the cubin's
 ELF and keeps in step with the source), in the order the op promises: route, w13 per tier,
-requant, w2 per tier, combine, with each tier's GEMMs over its own job range.
+requant, w2 per tier, combine, with each tier's GEMMs over its own job range; prefill batches
+(16 pairs per expert on average) take the GEMMs' `_t16` variants and jobs of 16 pairs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from moet_kernels import ops
 from moet_kernels.layout import NativeRowLayout
 
 SASS = Path(__file__).resolve().parents[3] / "sass"
-H, INTER, E, K, T = 256, 64, 16, 4, 3
+H, INTER, E, K = 256, 64, 16, 4
+DECODE, PREFILL = 3, 64  # tokens: 12 pairs, and 256 = 16 per expert
 
 
 class Recorder:
@@ -50,7 +52,7 @@ def declared() -> dict[str, list[list[int]]]:
     return out
 
 
-def record(monkeypatch, dtype, fp4: str | None):
+def record(monkeypatch, dtype, fp4: str | None, n_tok: int):
     rec = Recorder()
     monkeypatch.setattr(ops, "load", lambda dev: rec)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -61,11 +63,11 @@ def record(monkeypatch, dtype, fp4: str | None):
     table, table4 = torch.zeros(E, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
     tiers = [(pool4, table4, lay4), (pool, table, lay)] if fp4 else [(pool, table, lay)]
     args = (
-        torch.zeros(T, H, dtype=dtype),
-        torch.zeros(T, K, dtype=torch.int32),
-        torch.zeros(T, K),
+        torch.zeros(n_tok, H, dtype=dtype),
+        torch.zeros(n_tok, K, dtype=torch.int32),
+        torch.zeros(n_tok, K),
         tiers,
-        torch.tensor([T], dtype=torch.int32),
+        torch.tensor([n_tok], dtype=torch.int32),
         torch.zeros(1, dtype=torch.int32),
         torch.zeros(E, dtype=torch.uint8),
     )
@@ -74,12 +76,14 @@ def record(monkeypatch, dtype, fp4: str | None):
     return rec.launches, ws, table4
 
 
+@pytest.mark.parametrize("n_tok", [DECODE, PREFILL])
 @pytest.mark.parametrize("fp4", [None, "fp4r", "fp4x-nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4) -> None:
-    launches, ws, table4 = record(monkeypatch, dtype, fp4)
+def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_tok) -> None:
+    launches, ws, table4 = record(monkeypatch, dtype, fp4, n_tok)
     out = ops.OUT_KERNELS[dtype]
-    gemm = [ops.GEMM_KERNELS[fp4], ""] if fp4 else [""]
+    prefill = "_t16" if n_tok == PREFILL else ""
+    gemm = [ops.GEMM_KERNELS[fp4] + prefill, prefill] if fp4 else [prefill]
     want = [f"moet_route_{out}", *(f"moet_w13{g}" for g in gemm), "moet_requant",
             *(f"moet_w2{g}" for g in gemm), f"moet_combine_{out}"]  # fmt: skip
     assert [name for name, *_ in launches] == want
@@ -93,6 +97,8 @@ def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4) ->
     # route's n_jobs = {0, FP4 jobs, all jobs}
     route_args = launches[0][3]
     assert route_args[7].value == (table4.data_ptr() if fp4 else None)
+    assert route_args[14].value == (4 if n_tok == PREFILL else 3)  # log2 of the job size
+    assert tuple(ws.job_pairs.shape) == (ws.max_jobs, 16 if n_tok == PREFILL else 8)
     n_jobs = ws.n_jobs.data_ptr()
     ranges = [args[10].value for name, _, _, args in launches if name.startswith("moet_w13")]
     ranges += [args[9].value for name, _, _, args in launches if name.startswith("moet_w2")]

@@ -30,7 +30,9 @@ from .reference import tiered_moe_slots_reference
 
 log = logging.getLogger("moet_kernels")
 
-TOK = 8  # pairs per job (the kernels' TOK)
+TOK = 8  # pairs per mma n-tile (the kernels' TOK): a decode job's pairs
+PREFILL_JOB = 16  # pairs per prefill job: two n-tiles share each decoded weight fragment
+PREFILL_PAIRS_PER_EXPERT = 16  # prefill jobs from this many (token, expert) pairs per expert
 CHUNK = 128  # K per activation scale (the kernels' KCHUNK)
 MAX_EXPERTS = 1024  # the route kernel's limit
 OUT_KERNELS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -50,6 +52,7 @@ class _Workspace:
     aq: torch.Tensor
     as_: torch.Tensor
     y: torch.Tensor
+    job_tok: int
     max_jobs: int
 
 
@@ -71,8 +74,16 @@ def native_layout(hidden: int, inter: int, tier: str = "w2") -> NativeRowLayout:
     return NativeRowLayout(hidden, inter, tier)
 
 
+def job_size(n_pairs: int, n_experts: int) -> int:
+    """Pairs per job: `TOK`, or `PREFILL_JOB` once the batch routes `PREFILL_PAIRS_PER_EXPERT`
+    pairs per expert on average (prefill), where the kernels decode each weight fragment once for
+    two n-tiles instead of once per job of 8."""
+    return PREFILL_JOB if n_pairs >= PREFILL_PAIRS_PER_EXPERT * n_experts else TOK
+
+
 def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
-    key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts)  # the same buffers for any tier
+    job_tok = job_size(n_tok * top_k, n_experts)
+    key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts, job_tok)  # any tier's buffers
     ws = _workspaces.get(key)
     if ws is None:
         if torch.cuda.is_current_stream_capturing():
@@ -81,7 +92,7 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
                 "eagerly with this batch size before capturing a CUDA graph"
             )
         pairs = n_tok * top_k
-        max_jobs = -(-pairs // TOK) + min(n_experts, pairs)
+        max_jobs = -(-pairs // job_tok) + min(n_experts, pairs)
 
         def z(*shape, dtype):
             return torch.zeros(*shape, dtype=dtype, device=dev)
@@ -93,12 +104,13 @@ def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int
             xs=z(n_tok, lay.hidden_p // CHUNK, dtype=torch.float32),
             n_jobs=z(3, dtype=torch.int32),  # {0, FP4-tier jobs, all jobs}
             job_slot=z(max_jobs, dtype=torch.int32),
-            job_pairs=z(max_jobs, TOK, dtype=torch.int32),
+            job_pairs=z(max_jobs, job_tok, dtype=torch.int32),
             pair_ok=z(pairs, dtype=torch.uint8),
             h=z(pairs, lay.inter_p, dtype=torch.float32),  # columns past inter are never read
             aq=z(pairs, lay.inter_p, dtype=torch.int8),
             as_=z(pairs, lay.inter_p // CHUNK, dtype=torch.float32),
             y=z(pairs, lay.hidden, dtype=torch.float32),
+            job_tok=job_tok,
             max_jobs=max_jobs,
         )
         _workspaces[key] = ws
@@ -153,15 +165,18 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
         256,
         [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ids), i32(top_k),
          _ptr(slot_table), fp4_table, i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count),
-         _ptr(routed), _ptr(ws.xq), _ptr(ws.xs), _ptr(ws.n_jobs), _ptr(ws.job_slot),
+         _ptr(routed), _ptr(ws.xq), _ptr(ws.xs), i32(ws.job_tok.bit_length() - 1), _ptr(ws.n_jobs),
+         _ptr(ws.job_slot),
          _ptr(ws.job_pairs), _ptr(ws.pair_ok)],
     )  # fmt: skip
 
     def gemms(proj: str, units: int, k: int, inputs: list, outputs: list) -> None:
         """moet_w13 or moet_w2 once per tier, each over its jobs: route's n_jobs holds {0, FP4
-        jobs, all jobs}, so the FP4 tier's range starts at n_jobs[0], the other's at n_jobs[1]."""
+        jobs, all jobs}, so the FP4 tier's range starts at n_jobs[0], the other's at n_jobs[1].
+        Prefill jobs (16 pairs) take the kernels' _t16 variants."""
+        prefill = "_t16" if ws.job_tok == PREFILL_JOB else ""
         for i, (pool, _, tl) in enumerate(tiers):
-            name = f"moet_{proj}{GEMM_KERNELS[tl.tier.name]}"
+            name = f"moet_{proj}{GEMM_KERNELS[tl.tier.name]}{prefill}"
             first = 0 if i == 0 and len(tiers) == 2 else 1
             mod.launch(
                 name,
