@@ -225,7 +225,7 @@ def validate_case(
     nr = torch.tensor([n_real], dtype=torch.int32, device="cuda")
     result = {"case": name, "hidden": hidden, "inter": inter, "experts": n_experts,
               "top_k": top_k, "tokens": n_tok, "real_tokens": n_real, "dtype": str(dtype),
-              "job_pairs": job_size(n_tok * top_k, n_experts),
+              "job_pairs": job_size(n_tok * top_k, n_experts, tier.split(">")),
               "resident": resident, "scales": scales, "tier": tier,
               "slow_tiles": layer.lay.slow_tile_fractions(layer.pool[0])}  # fmt: skip
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -527,7 +527,7 @@ def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier
     return out
 
 
-def prefill_ab(gen, tokens, tiers=("w2", "fp4r", "fp4x-nvfp4")) -> dict:
+def prefill_ab(gen, tokens, tiers=("w2", "fp4r")) -> dict:
     """Prefill sizes timed with the kernels' decode jobs (8 pairs, forced) and with their prefill
     jobs (16 pairs: two n-tiles per decoded fragment), same run, same layers."""
     from moet_kernels import ops

@@ -369,37 +369,31 @@ __device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const ChunkFp4<N
 // k16 tile of the native layout is one 16-block of every row: its sum (one mma, mma_chunk) is
 // promoted with that block's scales of rows g and g+8 into float32 per chunk, the chunk's
 // activation scale follows, and scale_2 once per row at the end of the work item (scale_rows).
-template <int NT>
 struct Nvfp4Chunk {
-  static constexpr int kTiles = NT;
+  static constexpr int kTiles = 1;  // one n-tile: two would spill (no prefill variant)
   static constexpr int kCodeBytes = 2 * CODE_CHUNK;
   static constexpr int kScaleHead = 256;   // the group's 64 float32 scale_2, before its chunks
   static constexpr int kScaleBytes = 512;  // 4 row tiles x 8 lane groups x 8 blocks x 2 rows
-  uint4 cw[8];        // row tile rt, k16 tile kt: cw[2rt + kt / 4], word kt % 4
-  uint4 sw;           // row tile tig (the quad shares them): byte 2kt + j: row g + 8j, block kt
-  uint32_t b[NT][8];  // k16 tile kt: k 16kt + 4tig .. + 3 of column g
-  float x0[NT], x1[NT];
+  uint4 cw[8];    // row tile rt, k16 tile kt: cw[2rt + kt / 4], word kt % 4
+  uint4 sw;       // row tile tig (the quad shares them): byte 2kt + j: row g + 8j, block kt
+  uint32_t b[8];  // k16 tile kt: k 16kt + 4tig .. + 3 of column g
+  float x0, x1;
 };
 
-template <int NT>
-__device__ __forceinline__ void load_chunk(Nvfp4Chunk<NT>& k, const uint8_t* codes,
-                                           const uint8_t* scales, int c, const Cols<NT>& cols,
+__device__ __forceinline__ void load_chunk(Nvfp4Chunk& k, const uint8_t* codes,
+                                           const uint8_t* scales, int c, const Cols<1>& cols,
                                            int lane) {
   const int g = lane >> 2, tig = lane & 3;
-  const uint8_t* cc = codes + (size_t)c * Nvfp4Chunk<NT>::kCodeBytes;
+  const uint8_t* cc = codes + (size_t)c * Nvfp4Chunk::kCodeBytes;
 #pragma unroll
   for (int q = 0; q < 8; ++q) k.cw[q] = ld_stream16(cc + (q / 2) * 1024 + (lane * 2 + q % 2) * 16);
-  k.sw = ld_stream16(scales + (size_t)c * Nvfp4Chunk<NT>::kScaleBytes + tig * 128 + g * 16);
+  k.sw = ld_stream16(scales + (size_t)c * Nvfp4Chunk::kScaleBytes + tig * 128 + g * 16);
+  const int8_t* act = cols.act_g[0];
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    const int8_t* act = cols.act_g[n];
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt)
-      k.b[n][kt] =
-          act ? *reinterpret_cast<const uint32_t*>(act + c * KCHUNK + 16 * kt + 4 * tig) : 0u;
-    k.x0[n] = cols.as0[n] ? 0.5f * cols.as0[n][c] : 0.f;  // levels are 2 * e2m1
-    k.x1[n] = cols.as1[n] ? 0.5f * cols.as1[n][c] : 0.f;
-  }
+  for (int kt = 0; kt < 8; ++kt)
+    k.b[kt] = act ? *reinterpret_cast<const uint32_t*>(act + c * KCHUNK + 16 * kt + 4 * tig) : 0u;
+  k.x0 = cols.as0[0] ? 0.5f * cols.as0[0][c] : 0.f;  // levels are 2 * e2m1
+  k.x1 = cols.as1[0] ? 0.5f * cols.as1[0][c] : 0.f;
 }
 
 // Byte j of a scale half-word as float32: the e4m3's 7 magnitude bits (the packer refuses a
@@ -417,15 +411,12 @@ __device__ __forceinline__ uint32_t neg_s8x4(uint32_t v) {
 
 // One mma.m16n8k32 per (row tile, block): k 0..15 are the block's positive weights P against the
 // activations, k 16..31 its negative ones N (sign bits flipped, as in fp4_tile_mma) against the
-// negated activations, so the int32 sum is P x - N x, biased by MAGIC for the FADD. One n-tile
-// at a time (kTiles 1): a prefill job's two tiles take two passes over the item (gemm_job).
-template <int NT>
-__device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const Nvfp4Chunk<NT>& k, int) {
-  static_assert(NT == 1, "NVFP4 decodes for one n-tile: two would spill");
+// negated activations, so the int32 sum is P x - N x, biased by MAGIC for the FADD.
+__device__ __forceinline__ void mma_chunk(float (&f)[1][4][4], const Nvfp4Chunk& k, int) {
   const int quad = (threadIdx.x & 31) & ~3;
   uint32_t nb[8];
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) nb[kt] = neg_s8x4(k.b[0][kt]);
+  for (int kt = 0; kt < 8; ++kt) nb[kt] = neg_s8x4(k.b[kt]);
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -436,24 +427,24 @@ __device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const Nvfp4Chunk
       const uint32_t w = word_of(k.cw[2 * rt + (kt >> 2)], kt & 3), n = w ^ 0x88888888u;
       uint32_t d[4] = {MAGIC_BITS, MAGIC_BITS, MAGIC_BITS, MAGIC_BITS};
       mma_s8(d, prmt(FP4_LO, FP4_HI, w), prmt(FP4_LO, FP4_HI, w >> 16), prmt(FP4_LO, FP4_HI, n),
-             prmt(FP4_LO, FP4_HI, n >> 16), k.b[0][kt], nb[kt]);
+             prmt(FP4_LO, FP4_HI, n >> 16), k.b[kt], nb[kt]);
       const uint32_t half_word = sw >> (16 * (kt & 1));
       const float s = e4m3(half_word, 0), s8 = e4m3(half_word, 1);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         acc[i] = fmaf(__uint_as_float(d[i]) - MAGIC, i < 2 ? s : s8, acc[i]);
     }
-    f[0][rt][0] = fmaf(acc[0], k.x0[0], f[0][rt][0]);
-    f[0][rt][1] = fmaf(acc[1], k.x1[0], f[0][rt][1]);
-    f[0][rt][2] = fmaf(acc[2], k.x0[0], f[0][rt][2]);
-    f[0][rt][3] = fmaf(acc[3], k.x1[0], f[0][rt][3]);
+    f[0][rt][0] = fmaf(acc[0], k.x0, f[0][rt][0]);
+    f[0][rt][1] = fmaf(acc[1], k.x1, f[0][rt][1]);
+    f[0][rt][2] = fmaf(acc[2], k.x0, f[0][rt][2]);
+    f[0][rt][3] = fmaf(acc[3], k.x1, f[0][rt][3]);
   }
 }
 
 // NVFP4's per-row scale_2 (the group's scale head: 64 float32 in group row order) on a reduced
 // item: f[n][rt][j] is row 16rt + g + 8(j / 2). Other chunk types have no head and no row scale.
-template <class K, int NT>
-__device__ __forceinline__ void scale_rows(float (&f)[NT][4][4], const uint8_t* group_scales,
+template <class K>
+__device__ __forceinline__ void scale_rows(float (&f)[K::kTiles][4][4], const uint8_t* group_scales,
                                            int g) {
   if constexpr (K::kScaleHead > 0) {
     const float* s2 = reinterpret_cast<const float*>(group_scales);
@@ -463,7 +454,7 @@ __device__ __forceinline__ void scale_rows(float (&f)[NT][4][4], const uint8_t* 
       for (int j = 0; j < 4; ++j) {
         const float v = s2[16 * rt + g + 8 * (j >> 1)];
 #pragma unroll
-        for (int n = 0; n < NT; ++n) f[n][rt][j] *= v;
+        for (int n = 0; n < K::kTiles; ++n) f[n][rt][j] *= v;
       }
   }
 }
@@ -492,28 +483,6 @@ __device__ __forceinline__ void gemm64(float (&f)[K::kTiles][4][4], const uint8_
     if (c + WARPS >= nchunks) break;
     if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, cols, lane);
     mma_chunk(f, b, lane & 3);
-  }
-}
-
-// A job's JT n-tiles in passes of K::kTiles (one pass where the chunk type decodes for all of
-// them; NVFP4 takes two for a prefill job, streaming the item twice).
-template <class K, int JT>
-__device__ __forceinline__ void gemm_job(float (&f)[JT][4][4], const uint8_t* codes,
-                                         const uint8_t* scales, int nchunks, const Cols<JT>& cols,
-                                         int warp, int lane) {
-  constexpr int KT = K::kTiles;
-  static_assert(JT % KT == 0, "a job's tiles come in whole passes");
-#pragma unroll
-  for (int c0 = 0; c0 < JT; c0 += KT) {
-    Cols<KT> sub;
-#pragma unroll
-    for (int n = 0; n < KT; ++n) {
-      sub.act_g[n] = cols.act_g[c0 + n];
-      sub.as0[n] = cols.as0[c0 + n];
-      sub.as1[n] = cols.as1[c0 + n];
-    }
-    gemm64<K>(*reinterpret_cast<float(*)[KT][4][4]>(&f[c0]), codes, scales, nchunks, sub, warp,
-              lane);
   }
 }
 
@@ -775,13 +744,14 @@ __device__ __forceinline__ Cols<NT> job_cols(const int* pairs, const int8_t* act
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
-template <class K, int NT>
+template <class K>
 __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
                                     const int8_t* xq, const float* xs, int hidden_p, int top_k,
                                     const int* job_range, const int* job_slot, const int* job_pairs,
                                     float* h, int inter_p) {
   pdl_enter();
+  constexpr int NT = K::kTiles;
   __shared__ float red[WARPS][16 * NT][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int first = job_range[0], work = (job_range[1] - first) * n_units;
@@ -794,8 +764,8 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, l
     const uint8_t* gs =  // the group's scales (its head, then its chunks)
         row + off_scales + (size_t)u * nchunks * K::kScaleBytes + (size_t)u * K::kScaleHead;
     float f[NT][4][4];
-    gemm_job<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead,
-                nchunks, cols, warp, lane);
+    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead, nchunks,
+              cols, warp, lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
       scale_rows<K>(f, gs, g);
@@ -841,13 +811,14 @@ extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, 
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-template <class K, int NT>
+template <class K>
 __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
                                    long long off_scales, int n_groups, int nchunks,
                                    const int8_t* aq, const float* as, int inter_p,
                                    const int* job_range, const int* job_slot, const int* job_pairs,
                                    float* y, int hidden) {
   pdl_enter();
+  constexpr int NT = K::kTiles;
   __shared__ float red[WARPS][16 * NT][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
   const int first = job_range[0], work = (job_range[1] - first) * n_groups;
@@ -860,8 +831,8 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
     const uint8_t* gs =
         row + off_scales + (size_t)rg * nchunks * K::kScaleBytes + (size_t)rg * K::kScaleHead;
     float f[NT][4][4];
-    gemm_job<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
-                nchunks, cols, warp, lane);
+    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
+              nchunks, cols, warp, lane);
     reduce_warps(f, red, warp, lane);
     if (warp == 0) {
       scale_rows<K>(f, gs, g);
@@ -881,29 +852,28 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
 }
 
 // Entry points: W2 rows, FP4 rows (fp4r, fp4x-mxfp4) and NVFP4 rows (fp4x-nvfp4) share everything
-// but the chunk type; each comes for decode jobs of 8 pairs (one n-tile) and, suffix _t16, for
-// prefill jobs of 16 (two n-tiles sharing each decoded fragment).
-#define MOET_GEMMS(SUFFIX, K, NT, BLOCKS)                                                          \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                  \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,        \
-      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,        \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {    \
-    w13<K, NT>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k, \
-               job_range, job_slot, job_pairs, h, inter_p);                                        \
-  }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                   \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,        \
-      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                   \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {     \
-    w2<K, NT>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p,         \
-              job_range, job_slot, job_pairs, y, hidden);                                          \
+// but the chunk type. W2 and FP4 also come for prefill jobs of 16 pairs (suffix _t16: two n-tiles
+// share each decoded fragment); NVFP4 has no such variant (two tiles would spill).
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
+      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
+    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
+           job_range, job_slot, job_pairs, h, inter_p);                                           \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
+      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
+      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
+      const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
+    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, job_range, \
+          job_slot, job_pairs, y, hidden);                                                        \
   }
-MOET_GEMMS(, Chunk<1>, 1, GEMM_BLOCKS)
-MOET_GEMMS(_fp4, ChunkFp4<1>, 1, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_nvfp4, Nvfp4Chunk<1>, 1, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_t16, Chunk<2>, 2, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_fp4_t16, ChunkFp4<2>, 2, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_nvfp4_t16, Nvfp4Chunk<1>, 2, GEMM_BLOCKS_FP4)
+MOET_GEMMS(, Chunk<1>, GEMM_BLOCKS)
+MOET_GEMMS(_fp4, ChunkFp4<1>, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_nvfp4, Nvfp4Chunk, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_t16, Chunk<2>, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_fp4_t16, ChunkFp4<2>, GEMM_BLOCKS_FP4)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).

@@ -5,7 +5,8 @@ this machine): every launch must pass as many arguments as the kernel declares, 
 declared size (`param_sizes` in sass/<cubin>.json, which the SASS audit reads from the cubin's
 ELF and keeps in step with the source), in the order the op promises: route, w13 per tier,
 requant, w2 per tier, combine, with each tier's GEMMs over its own job range; prefill batches
-(16 pairs per expert on average) take the GEMMs' `_t16` variants and jobs of 16 pairs.
+(16 pairs per expert on average) take the GEMMs' `_t16` variants and jobs of 16 pairs, unless a
+tier has none (NVFP4).
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ def record(monkeypatch, dtype, fp4: str | None, n_tok: int):
 def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_tok) -> None:
     launches, ws, table4 = record(monkeypatch, dtype, fp4, n_tok)
     out = ops.OUT_KERNELS[dtype]
-    prefill = "_t16" if n_tok == PREFILL else ""
+    # prefill jobs where every tier has the kernels for them (not NVFP4: ops.PREFILL_TIERS)
+    prefill_jobs = n_tok == PREFILL and fp4 != "fp4x-nvfp4"
+    prefill = "_t16" if prefill_jobs else ""
     gemm = [ops.GEMM_KERNELS[fp4] + prefill, prefill] if fp4 else [prefill]
     want = [f"moet_route_{out}", *(f"moet_w13{g}" for g in gemm), "moet_requant",
             *(f"moet_w2{g}" for g in gemm), f"moet_combine_{out}"]  # fmt: skip
@@ -97,8 +100,8 @@ def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_
     # route's n_jobs = {0, FP4 jobs, all jobs}
     route_args = launches[0][3]
     assert route_args[7].value == (table4.data_ptr() if fp4 else None)
-    assert route_args[14].value == (4 if n_tok == PREFILL else 3)  # log2 of the job size
-    assert tuple(ws.job_pairs.shape) == (ws.max_jobs, 16 if n_tok == PREFILL else 8)
+    assert route_args[14].value == (4 if prefill_jobs else 3)  # log2 of the job size
+    assert tuple(ws.job_pairs.shape) == (ws.max_jobs, 16 if prefill_jobs else 8)
     n_jobs = ws.n_jobs.data_ptr()
     ranges = [args[10].value for name, _, _, args in launches if name.startswith("moet_w13")]
     ranges += [args[9].value for name, _, _, args in launches if name.startswith("moet_w2")]
@@ -112,3 +115,12 @@ def test_the_manifests_name_every_parameter_list() -> None:
     )
     for name, lists in sizes.items():
         assert lists and all(s == lists[0] and s for s in lists), name  # same on every arch
+
+
+def test_prefill_jobs_from_16_pairs_per_expert_where_every_tier_has_them() -> None:
+    assert ops.job_size(16 * E - 1, E) == ops.TOK == 8
+    assert ops.job_size(16 * E, E) == ops.PREFILL_JOB == 16
+    assert ops.job_size(16 * E, E, ["fp4r", "w2"]) == 16
+    assert ops.job_size(16 * E, E, ["fp4x-mxfp4"]) == 16
+    assert ops.job_size(16 * E, E, ["fp4x-nvfp4", "w2"]) == 8  # NVFP4 has no _t16 kernels
+    assert ops.job_size(10**6, E, ["fp4x-nvfp4"]) == 8

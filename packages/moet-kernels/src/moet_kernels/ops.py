@@ -60,13 +60,10 @@ _workspaces: dict[tuple, _Workspace] = {}  # per (device, batch shape): fixed ad
 _noted_fallback = False
 
 
-GEMM_KERNELS = {
-    "w2": "",
-    "fp4r": "_fp4",
-    "fp4x-mxfp4": "_fp4",
-    "fp4x-nvfp4": "_nvfp4",
-}  # tier -> suffix
+# tier -> the GEMM kernels' name suffix
+GEMM_KERNELS = {"w2": "", "fp4r": "_fp4", "fp4x-mxfp4": "_fp4", "fp4x-nvfp4": "_nvfp4"}
 FP4_TIERS = tuple(t for t in GEMM_KERNELS if t != "w2")  # what fp4_pool may hold
+PREFILL_TIERS = ("w2", "fp4r", "fp4x-mxfp4")  # tiers whose GEMMs have _t16 (prefill) variants
 
 
 @functools.cache
@@ -74,15 +71,19 @@ def native_layout(hidden: int, inter: int, tier: str = "w2") -> NativeRowLayout:
     return NativeRowLayout(hidden, inter, tier)
 
 
-def job_size(n_pairs: int, n_experts: int) -> int:
+def job_size(n_pairs: int, n_experts: int, tiers=("w2",)) -> int:
     """Pairs per job: `TOK`, or `PREFILL_JOB` once the batch routes `PREFILL_PAIRS_PER_EXPERT`
     pairs per expert on average (prefill), where the kernels decode each weight fragment once for
-    two n-tiles instead of once per job of 8."""
-    return PREFILL_JOB if n_pairs >= PREFILL_PAIRS_PER_EXPERT * n_experts else TOK
+    two n-tiles instead of once per job of 8; only where every tier (by name) has those kernels
+    (`PREFILL_TIERS`: two n-tiles of NVFP4 would spill)."""
+    prefill = n_pairs >= PREFILL_PAIRS_PER_EXPERT * n_experts
+    return PREFILL_JOB if prefill and set(tiers) <= set(PREFILL_TIERS) else TOK
 
 
-def _workspace(dev, n_tok: int, top_k: int, lay: NativeRowLayout, n_experts: int) -> _Workspace:
-    job_tok = job_size(n_tok * top_k, n_experts)
+def _workspace(dev, n_tok: int, top_k: int, tiers, n_experts: int) -> _Workspace:
+    """The fixed buffers of one batch shape and job size (tiers: [(pool, slot_table, layout)])."""
+    lay = tiers[-1][2]
+    job_tok = job_size(n_tok * top_k, n_experts, [tl.tier.name for _, _, tl in tiers])
     key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts, job_tok)  # any tier's buffers
     ws = _workspaces.get(key)
     if ws is None:
@@ -150,7 +151,7 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     lay = tiers[-1][2]
     mod = load(dev)
-    ws = _workspace(dev, n_tok, top_k, lay, n_experts)
+    ws = _workspace(dev, n_tok, top_k, tiers, n_experts)
     ids = _as(topk_ids, torch.int32, ws.ids)
     weights = _as(topk_weights, torch.float32, ws.weights)
     x = x.contiguous()
