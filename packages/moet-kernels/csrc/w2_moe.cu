@@ -17,6 +17,10 @@
 // the 16 codes of its mma A fragment. Activations are int8 rows in natural order: lane t's 32
 // bytes of a chunk are exactly its 32-block's B fragments.
 //
+// The FP4 recovery tiers have their own GEMMs (fp4r / MXFP4: e2m1 with the same fold; NVFP4: a
+// promotion per 16-block), sharing route, requant and combine. A job is 8 pairs (one mma n-tile)
+// or, for prefill, 16 (two n-tiles per decoded fragment: the _t16 GEMMs).
+//
 // Everything is graph-capturable: fixed buffers sized for the worst case, the job count read on
 // the device, persistent grids that stride over (job, row group) work items. Results do not
 // depend on the grid size: every sum has a fixed order (split-K partials reduced warp 0..3, the
@@ -178,9 +182,9 @@ __device__ __forceinline__ uint2 b_frag(const ChunkT<CW, NT>& k, int n, int tt) 
 }
 
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
-// (row g+8) and accumulates its mma into acc. A PRMT selector nibble's bit 2 picks the second
-// source (the same table: don't care), bit 3 must be clear.
-// The A fragment is decoded once and feeds the mma of every n-tile.
+// (row g+8), once, and accumulates its mma with every n-tile's activations into acc[n]. A PRMT
+// selector nibble's bit 2 picks the second source (the same table: don't care), bit 3 must be
+// clear.
 template <int NT>
 __device__ __forceinline__ void tile_mma(uint32_t (&acc)[NT][4], const Chunk<NT>& k, int rt, int tt,
                                          uint32_t tab, uint32_t tab8) {
@@ -195,8 +199,8 @@ __device__ __forceinline__ void tile_mma(uint32_t (&acc)[NT][4], const Chunk<NT>
   }
 }
 
-// f[n][rt][0..3] += d[n] (the chunk's sums of rows g, g / g+8, g+8 x columns 2tig, 2tig+1 of
-// n-tile n) x the scales of rows g / g+8 (s, s8) and of the columns.
+// f[n][rt][0..3] += d[n] x the scales of rows g / g+8 (s, s8) and of columns 2tig / 2tig+1, where
+// d[n] holds the chunk's sums of rows g (0, 1) and g+8 (2, 3) for n-tile n's two columns.
 template <class K>
 __device__ __forceinline__ void promote(float (&f)[K::kTiles][4][4], int rt,
                                         const float (&d)[K::kTiles][4], float s, float s8,

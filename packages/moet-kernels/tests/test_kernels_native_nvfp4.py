@@ -468,34 +468,28 @@ def test_op_prefers_its_nvfp4_pool_over_the_w2_pool(hidden, inter) -> None:
                        torch.tensor([n_real], dtype=torch.int32), miss, routed, "w2",
                        fp4_pool=pool4, fp4_slot_table=table4, fp4_tier=TIER)  # fmt: skip
 
+    def w2_row(e):  # expert e's W2 weights, float64
+        return tuple(
+            w2_dequant(torch.from_numpy(s2[f"{p}_codes"][e]), torch.from_numpy(s2[f"{p}_scales"][e]))
+            .double()
+            .numpy()
+            for p in ("w13", "w2")
+        )  # fmt: skip
+
     def weights_of(e):
         if e in in_fp4:
             return tuple(
                 nvfp4_weights(s4[f"{p}_codes"][e], s4[f"{p}_scales"][e], s4[f"{p}_scale_2"][e])
                 for p in ("w13", "w2")
             )
-        if e in in_w2:
-            return tuple(
-                w2_dequant(torch.from_numpy(s2[f"{p}_codes"][e]), torch.from_numpy(s2[f"{p}_scales"][e]))
-                .double()
-                .numpy()
-                for p in ("w13", "w2")
-            )  # fmt: skip
-        return None
+        return w2_row(e) if e in in_w2 else None
 
     want = float64_moe(x.numpy(), ids, w, weights_of, hidden, inter)
     assert_close(got, want)
     check_counters(ids, n_real, in_fp4 + in_w2, miss, routed)
 
     def w2_weights(e):  # the W2 row for the experts in both tiers: not what the op must do
-        if e in in_w2:
-            return tuple(
-                w2_dequant(torch.from_numpy(s2[f"{p}_codes"][e]), torch.from_numpy(s2[f"{p}_scales"][e]))
-                .double()
-                .numpy()
-                for p in ("w13", "w2")
-            )  # fmt: skip
-        return weights_of(e)
+        return w2_row(e) if e in in_w2 else weights_of(e)
 
     not_preferred = float64_moe(x.numpy(), ids, w, w2_weights, hidden, inter)
     assert np.abs(not_preferred - want).max() > 1e-2 * np.abs(want).max()
