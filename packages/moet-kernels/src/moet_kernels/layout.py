@@ -53,8 +53,9 @@ Two layouts of a W2 expert row [w13 codes | w13 scales | w2 codes | w2 scales]:
     are 2*e2m1 (up to 12) times 2**(b_j - b_min), which must stay <= 127 (12 * 8 = 96).
 
 - `NativeRowLayout(hidden, inter, "fp4x-nvfp4")` (`NATIVE_NVFP4_LAYOUT_ID`): NVFP4 rows (e2m1
-  codes, an e4m3 scale per 16 along K, a float32 `scale_2` per row) for int8 mma.sync m16n8k16:
-  one k16 tile is one 16-block of every row, so its int32 sum is promoted with that block's
+  codes, an e4m3 scale per 16 along K, a float32 `scale_2` per row) in k16 tiles: one k16 tile is
+  one 16-block of every row, so its int32 sum (the kernels: one mma.sync m16n8k32 with the
+  positive weights in k 0..15 and the negative ones in k 16..31) is promoted with that block's
   scale (no fold, no slow tiles). Rows, groups of 64, the w13 interleave, chunks of 128 and row
   padding are v2's. Per (group, chunk):
 
