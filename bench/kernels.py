@@ -14,7 +14,8 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
 - time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
   size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
   shaped like trained weights' (`SCALES`; again at batch 1 and 8 with "wide" scales, the slow
-  path's worst case; and at batch 1, 8, 32 with fp4r and with NVFP4 rows); effective
+  path's worst case; and at batch 1, 8, 32 with fp4r and with NVFP4 rows; with --prefill N...,
+  those token counts with jobs of 8 pairs against jobs of 16, W2 and fp4r rows); effective
   bandwidth on routed expert bytes as a share of the device-to-device copy bandwidth measured in
   the same run; per-kernel times from the profiler; vLLM 0.24's kernels from design.md, marked
   "not same run" (bench/h200/vllm_moe.py times them in the same device run where vLLM is staged:
