@@ -538,15 +538,15 @@ def prefill_ab(gen, tokens, tiers=("w2", "fp4r")) -> dict:
         layers = glm_layers(gen, tier=tier)
         bw = copy_bandwidth()
         rows = out[tier] = {"copy_bandwidth_GBps": bw / 1e9}
+        default = ops.PREFILL_PAIRS_PER_EXPERT
         for n_tok in tokens:
-            for label, threshold in (("jobs of 8", 1 << 30), ("jobs of 16", None)):
-                saved = ops.PREFILL_PAIRS_PER_EXPERT
-                ops.PREFILL_PAIRS_PER_EXPERT = threshold or saved
+            for label, threshold in (("jobs of 8", 1 << 30), ("jobs of 16", default)):
+                ops.PREFILL_PAIRS_PER_EXPERT = threshold  # 1 << 30: never prefill jobs
                 try:
                     print(f"{tier} {label}:", end=" ")
                     rows[f"{n_tok} tokens, {label}"] = time_batch(layers, n_tok, gen, bw)
                 finally:
-                    ops.PREFILL_PAIRS_PER_EXPERT = saved
+                    ops.PREFILL_PAIRS_PER_EXPERT = default
         del layers
         torch.cuda.empty_cache()
     return out
