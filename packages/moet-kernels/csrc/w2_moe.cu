@@ -181,6 +181,12 @@ __device__ __forceinline__ uint2 b_frag(const ChunkT<CW, NT>& k, int n, int tt) 
   return make_uint2(word_of(v, (tt & 1) * 2), word_of(v, (tt & 1) * 2 + 1));
 }
 
+__device__ __forceinline__ uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
+  uint32_t d;  // selector nibble bit 3 set: the selected byte's sign, replicated
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+  return d;
+}
+
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
 // (row g+8), once, and accumulates its mma with every n-tile's activations into acc[n]. A PRMT
 // selector nibble's bit 2 picks the second source (the same table: don't care), bit 3 must be
@@ -190,8 +196,8 @@ __device__ __forceinline__ void tile_mma(uint32_t (&acc)[NT][4], const Chunk<NT>
                                          uint32_t tab, uint32_t tab8) {
   const uint32_t w = word_of(k.cw[rt], tt);
   const uint32_t lo = w & 0x77777777u, hi = (w >> 2) & 0x77777777u;
-  const uint32_t a0 = __byte_perm(tab, tab, lo), a1 = __byte_perm(tab8, tab8, hi);
-  const uint32_t a2 = __byte_perm(tab, tab, lo >> 16), a3 = __byte_perm(tab8, tab8, hi >> 16);
+  const uint32_t a0 = prmt(tab, tab, lo), a1 = prmt(tab8, tab8, hi);
+  const uint32_t a2 = prmt(tab, tab, lo >> 16), a3 = prmt(tab8, tab8, hi >> 16);
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
     const uint2 b = b_frag(k, n, tt);
@@ -287,12 +293,6 @@ __device__ __forceinline__ void mma_chunk(float (&f)[NT][4][4], const Chunk<NT>&
       promote(f, rt, d, ue8m0(wg, j), ue8m0(wg8, j), k);
     }
   }
-}
-
-__device__ __forceinline__ uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel) {
-  uint32_t d;  // selector nibble bit 3 set: the selected byte's sign, replicated
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-  return d;
 }
 
 // FP4 level tables of rows g and g+8: (lo, hi) bytes by magnitude index, all below 0x80.
