@@ -337,6 +337,17 @@ def test_quantize_activations_rounding_zero_and_nan() -> None:
     assert (q[2] == 0).all() and (s[2] == 0).all()
 
 
+@pytest.mark.parametrize("dev", ["cpu"] + ["cuda"] * torch.cuda.is_available())
+def test_quantize_activations_scales_correctly_rounded(dev) -> None:
+    """s = amax / 127 rounded once, as the kernels' __fdiv_rn: bit-equal scales are what lets
+    the GPU validation compare the route's and requant's int8 outputs exactly."""
+    amax = torch.rand(4096, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 9
+    x = torch.zeros(4096, 128)
+    x[:, 7] = -amax.float()
+    _, s = quantize_activations(x.to(dev))
+    assert torch.equal(s.cpu()[:, 0], (amax.float().double() / 127).float())
+
+
 @pytest.mark.parametrize("k", [32, 96, 128, 160, 288, 384])
 def test_quantize_activations_blocks_of_128_zero_padded(k) -> None:
     """One scale per 128 along K; a K not a multiple of 128 quantizes as if zero-padded."""
