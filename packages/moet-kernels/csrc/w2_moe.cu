@@ -190,7 +190,8 @@ __device__ __forceinline__ uint32_t prmt(uint32_t lo, uint32_t hi, uint32_t sel)
 // Decodes the A fragment of row tile rt, k-tile tt with the level tables tab (row g) and tab8
 // (row g+8), once, and accumulates its mma with every n-tile's activations into acc[n]. A PRMT
 // selector nibble's bit 2 picks the second source (the same table: don't care), bit 3 must be
-// clear.
+// clear. prmt.b32 ignores the selector's upper half, so `lo >> 16` needs no mask (through
+// __byte_perm the compiler adds one per selector: two more integer ops per 16 codes).
 template <int NT>
 __device__ __forceinline__ void tile_mma(uint32_t (&acc)[NT][4], const Chunk<NT>& k, int rt, int tt,
                                          uint32_t tab, uint32_t tab8) {
