@@ -8,8 +8,10 @@ bench/fixture/evaluate.py; its first FIXTURE_TOKENS tokens, with their token ids
 trace, decode at batch 1 and 8, and each pool size (a share of all moe_layers x E experts), the
 same run replays the trace through LRU, LFU, decayed frequency, the serving policy (decayed
 frequency plus the fetch of the experts a step's tokens are predicted to route: traces with
-tokens only), Belady's MIN and Belady for replay steps, MIN with prefetch on replay steps, and
-computes the lower bounds (simulate.py explains them all). Every policy starts from the same warm
+tokens only), Belady's MIN and Belady for replay steps, MIN with prefetch on replay steps, on the
+synthetic traces the oracle told the generator's hidden state (with and without prefetch on
+replay steps: bench/residency_variants.py), and computes the lower bounds (simulate.py explains
+them all). Every policy starts from the same warm
 pool, the experts most routed in the first quarter of the steps (the hot set a server would have
 persisted from past traffic; the whole trace's hottest would tell every policy, Belady most, what
 the measured steps route), and that first quarter, which lets the online policies' scores
@@ -162,6 +164,10 @@ def job(args: tuple) -> dict:
     row["min+pf"] = run("min+pf", prefetch=sim.DEFAULT_PREFETCH)
     if toks is not None:
         row["predict"] = run("predict", tokens=toks[0], token_keys=toks[1])
+    else:  # a synthetic trace: the policy that learned its routing perfectly, for reference
+        import residency_variants as variants
+
+        row.update(variants.oracles(name, tr, steps, n_slots, kw, batch))
     n = len(steps) - warm
     lb = sim.replay_lower_bound(
         steps, n_slots, warmup=warm, upper=n - row["belady"]["replay_steps"]
@@ -257,7 +263,7 @@ def table(rows: list[dict], bounds: dict) -> str:
             head = ["pool", "LRU", "LFU", "decay"]
             head += ["predict", "early fetch"] if tokens else []
             head += ["MIN", "Belady", "bound", "MIN+pf", "pf bound"]
-            head += ["online bound"] if synthetic else []
+            head += ["oracle", "oracle+pf", "online bound"] if synthetic else []
             head += ["serving / Belady", "decay / MIN"]
             out.append("| " + " | ".join(head) + " |")
             out.append("|" + "---|" * len(head))
@@ -276,6 +282,8 @@ def table(rows: list[dict], bounds: dict) -> str:
                 cells.append(f"{p['replay_pct']:.1f} ({p['rows_per_step']:.2f})")
                 cells.append(f"{r['prefetch_bound']['replay_pct']:.1f}")
                 if synthetic:
+                    for p in ("oracle", "oracle+pf"):
+                        cells.append(f"{r[p]['replay_pct']:.1f}")
                     b = bounds.get((name, batch), {}).get(str(r["pool_fraction"]))
                     cells.append("—" if b is None else f"{b:.1f}")
                 cells.append(fmt_ratio(r["serving_vs_belady"]))

@@ -128,10 +128,20 @@ def run_all(name: str, tr: dict, steps: np.ndarray, n_slots: int, kw: dict, batc
     out["mix"] = run(Mix(n_slots, L, E), "mix")
     out["mix+pf"] = run(Mix(n_slots, L, E, PREFETCH), "mix+pf")
     if tr["tokens"] is None:  # a synthetic trace: its hidden state is known
-        prof = traces.PROFILES[name]
-        state = traces.synthetic_state(prof, len(tr["ids"]), SEED)
-        n = len(tr["ids"]) // batch
-        tok = np.arange(n)[:, None] + np.arange(batch)[None, :] * n
-        out["oracle"] = run(Oracle(n_slots, L, E, state, prof.top_k, tok), "oracle")
-        out["oracle+pf"] = run(Oracle(n_slots, L, E, state, prof.top_k, tok, PREFETCH), "oracle+pf")
+        out.update(oracles(name, tr, steps, n_slots, kw, batch))
     return out
+
+
+def oracles(name: str, tr: dict, steps: np.ndarray, n_slots: int, kw: dict, batch: int) -> dict:
+    """``oracle`` and ``oracle+pf`` on a synthetic trace: what an online policy that learned the
+    routing perfectly (the generator's hidden state) would replay."""
+    prof = traces.PROFILES[name]
+    state = traces.synthetic_state(prof, len(tr["ids"]), SEED)
+    n = len(tr["ids"]) // batch
+    tok = np.arange(n)[:, None] + np.arange(batch)[None, :] * n
+    E, L = tr["E"], tr["layers"]
+    return {
+        label: sim.simulate(Oracle(n_slots, L, E, state, prof.top_k, tok, pf), steps, name=label,
+                            **kw).as_dict()
+        for label, pf in (("oracle", 0), ("oracle+pf", PREFETCH))
+    }  # fmt: skip
