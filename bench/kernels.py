@@ -6,9 +6,11 @@ Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kern
 cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
 
 - validate (W2 rows, FP4 rows of the fp4r, fp4x-mxfp4 and fp4x-nvfp4 tiers, and an FP4 pool
-  preferred over a W2 one: tier "fp4r>w2"): every case draws fresh random weights, activations and routings; the
-  op's output is compared with the kernel-mode reference (float64 GEMMs over the kernels' int8
-  activations) and the exact reference; buffers are poisoned before each run; a rerun must be
+  preferred over a W2 one: tier "fp4r>w2"): every case draws fresh random weights, activations and routings; each
+  stage of the op is compared with its reference given the previous stage's own output (`stages`:
+  the int8 steps and the combine bit-equal, the GEMMs within float32 rounding of float64), and the
+  op's output with the kernel-mode reference (float64 GEMMs over the kernels' int8 activations)
+  and the exact reference; buffers are poisoned before each run; a rerun must be
   byte-identical, also on fewer CTAs; a CUDA graph replay must equal the eager run; with random
   slot tables the miss counter and the routed mask must be exact, counting real rows only.
 - time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
