@@ -216,31 +216,27 @@ def rel_rows(a, b) -> float:
     return float(((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-300)).max())
 
 
-def stages(layers, x, ids, w, out) -> dict:
+def stages(ws, held, holder, inter, x, ids, w, out) -> dict:
     """Each stage of the op against its reference given the previous stage's own output (read
     from the workspace), so a rounding flip upstream cannot hide or fake an error downstream:
     route's activation quantization and pair mask exactly; w13 (GEMM + SiLU·up) within float32
     rounding of float64 over the kernel's int8 activations; requant exactly on the kernel's h;
     w2 within float32 rounding of float64 over the kernel's requantized activations (each
     element relative to its row's largest, so one wrong weight shows); the combine exactly, in
-    float32 in slot order over the kernel's w2 outputs."""
-    from moet_kernels import ops
+    float32 in slot order over the kernel's w2 outputs. `ws` is the op's workspace for this batch,
+    `held[e]` whether any tier holds expert e, `holder(e)` the first tier's Layer that does."""
     from moet_kernels.layout import tier_of
     from moet_kernels.reference import _dequant_activations as dequant
     from moet_kernels.reference import _tier_kernel_weights as kernel_weights
     from moet_kernels.reference import quantize_activations
 
-    layer = layers[-1]
-    h_dim, inter = layer.hidden, layer.inter
-    n_tok, top_k = ids.shape
-    job = ops.job_size(n_tok * top_k, layer.n_experts, [lr.tier for lr in layers])
-    ws = ops._workspaces[(x.device, n_tok, top_k, h_dim, inter, layer.n_experts, job)]
+    n_tok, h_dim = x.shape
+    top_k = ids.shape[1]
     q, s = quantize_activations(x.float())
     r = {"activations_exact": bool(
         torch.equal(ws.xq[:, :h_dim], q) and not ws.xq[:, h_dim:].any()
         and torch.equal(ws.xs[:, : s.shape[1]], s) and not ws.xs[:, s.shape[1]:].any()
     )}  # fmt: skip
-    held = torch.stack([lr.slots >= 0 for lr in layers]).any(0)
     ok = held[ids.long()].flatten()
     r["pair_mask_exact"] = bool(torch.equal(ws.pair_ok.bool(), ok))
     pairs = ok.nonzero().flatten()
@@ -251,7 +247,7 @@ def stages(layers, x, ids, w, out) -> dict:
     ak = dequant(aq[:, :inter], as_)
     flat = ids.flatten()[pairs]
     for e in flat.unique().tolist():
-        lr = next(lr for lr in layers if lr.slots[e] >= 0)  # the first tier holding e
+        lr = holder(e)
         tier = tier_of(lr.tier)
         parts = lr.expert(e)
         n13 = len(tier.weight_parts)
@@ -285,8 +281,8 @@ def validate_case(
     name, hidden, inter, n_experts, top_k, n_tok, gen, dtype, resident, pad, scales, tier,
     staged=True,
 ):  # fmt: skip
+    from moet_kernels import ops
     from moet_kernels.loader import load
-    from moet_kernels.ops import job_size
     from moet_kernels.reference import _moe
 
     # tier "a>b": an `a` pool (half the experts, drawn independently) preferred over a `b` one
@@ -302,7 +298,7 @@ def validate_case(
     nr = torch.tensor([n_real], dtype=torch.int32, device="cuda")
     result = {"case": name, "hidden": hidden, "inter": inter, "experts": n_experts,
               "top_k": top_k, "tokens": n_tok, "real_tokens": n_real, "dtype": str(dtype),
-              "job_pairs": job_size(n_tok * top_k, n_experts, tier.split(">")),
+              "job_pairs": ops.job_size(n_tok * top_k, n_experts, tier.split(">")),
               "resident": resident, "scales": scales, "tier": tier,
               "slow_tiles": layer.lay.slow_tile_fractions(layer.pool[0])}  # fmt: skip
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -335,7 +331,10 @@ def validate_case(
         return holder(e).tier
 
     # the stages' float64 GEMMs are left out under compute-sanitizer (--sanitize), for time
-    result["stages"] = stages(layers, x, ids, w, out) if staged else {"stages_ok": True}
+    result["stages"] = None
+    if staged:
+        key = (x.device, n_tok, top_k, hidden, inter, n_experts, result["job_pairs"])
+        result["stages"] = stages(ops._workspaces[key], held, holder, inter, x, ids, w, out)
     xf = x.float()
     ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel", tier=tier_of)
     ref_x = _moe(xf.double(), ids.long(), w, inter, experts, skip=skip, mode="exact", tier=tier_of)
@@ -376,7 +375,7 @@ def validate_case(
         and result["miss_count"][0] == want_miss
         and result["graph_miss_count"] == want_miss
         and result["routed_exact"]
-        and result["stages"]["stages_ok"]
+        and (result["stages"] is None or result["stages"]["stages_ok"])
         and result["rel_vs_kernel_ref"] <= 1e-2  # end to end: requant flips included
         and result["rel_vs_exact_ref"] <= (5e-2 if hidden >= 1024 else 0.15)
         and result["rerun_identical"]
@@ -447,12 +446,12 @@ def validate(gen, reduced: bool) -> list[dict]:
         )
         r["seconds"] = round(time.time() - t0, 2)
         results.append(r)
-        st = r["stages"]
+        st = r["stages"] or {"stages_ok": "not checked"}
         print(
             f"{'ok  ' if r['ok'] else 'FAIL'} {tier:10s} {name:16s} T={n_tok:3d} job={r['job_pairs']:2d} {str(dtype)[6:]:8s} "
             f"{scales:7s} slow={r['slow_tiles']['w13']:.2f} res={resident:.1f} rel_k={r['rel_vs_kernel_ref']:.2e} "
             f"rel_x={r['rel_vs_exact_ref']:.2e} (ref_k vs ref_x {r['rel_kernel_ref_vs_exact_ref']:.2e}) "
-            f"stages={'ok' if st['stages_ok'] else st} w13={st.get('rel_w13', 0):.1e} "
+            f"stages={'ok' if st['stages_ok'] is True else st} w13={st.get('rel_w13', 0):.1e} "
             f"w2={st.get('rel_w2', 0):.1e} "
             f"miss={r['miss_count']} rerun={r['rerun_identical']} grid={r['grid_independent']} "
             f"graph={r['graph_equals_eager']}",
