@@ -3,7 +3,8 @@
 with real routing: a pool smaller than the experts gives the greedy tokens of a fully resident run
 scheduled the same way, which are transformers' with the same W2 experts; KPI lines show the
 replays; the next boot preloads the saved hot set; a pool below the boot floor is refused with the
-number that works.
+number that works. An explicit pool comes out of the KV cache, byte for byte (a wider random
+model, so the pool's bytes stand well above the run-to-run noise of vLLM's memory accounting).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from serving import (
     hf_reference_tokens,
     run_vllm,
 )
+from tiny_models import config, write_tiny_model
+
+from moet_kernels.layout import RowLayout
 
 pytest.importorskip("vllm")
 
@@ -112,6 +116,39 @@ def test_an_auto_pool_takes_what_the_kv_cache_leaves(model, cache, tmp_path):
     assert re.search(r"GiB free after the KV cache, less pool_reserve_gib=100000, hold 1 "
                      r"expert slots of [\d.]+ MiB, below the boot floor of 14: leave at least "
                      r"100000\.\d\d GiB free", r["log"]), r["log"][-3000:]  # fmt: skip
+
+
+# qwen3_moe with 2 MoE layers x 64 experts of intermediate size 24576: 2.65 MB per expert row,
+# so the two pools below differ by 313 MB (the checkpoint is 2.4 GB of bf16)
+WIDE = {"num_experts": 64, "moe_intermediate_size": 24576}
+
+
+def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
+    """design.md: KV bytes with the pool = without it - pool bytes, +-1%. With
+    VLLM_CPU_KVCACHE_SPACE unset, vLLM CPU sizes the KV cache as gpu_memory_utilization x the
+    host's memory less what the worker holds once the model is loaded and profiled (the GPU worker
+    subtracts its measured memory the same way), so a pool allocated at load must come out of it.
+    The first boot writes the pack files (its allocator keeps some of that memory); the next two,
+    a pool at the boot floor and one of every expert, read them and differ only in the pool."""
+    src = write_tiny_model("qwen3_moe", tmp_path / "wide", overrides=WIDE)
+    from moet_quant import convert
+
+    model = convert.convert(src, tmp_path / "wide-moet", progress=False).out
+    cfg = config("qwen3_moe", WIDE)
+    keys = cfg["num_hidden_layers"] * cfg["num_experts"]
+    flags = ["--max-num-seqs", "1", "--gpu-memory-utilization", "0.15", "--prompts", "1"]
+    flags += ["--max-tokens", "2"]
+    runs = {}
+    for name, slots in (("packs", keys), ("floor", 10), ("all", keys)):
+        env = {"MOET_GPU_POOL": str(slots), "MOET_CACHE_DIR": str(tmp_path / "packs")}
+        runs[name] = run_vllm(model, tmp_path, f"kv-{name}", env=env, extra=flags)
+        assert f"tiered residency: {slots} expert slots" in runs[name]["log"]
+    assert runs["floor"]["tokens"] == runs["all"]["tokens"] == runs["packs"]["tokens"]
+    # float32 K and V per token: layers x 2 x kv heads x head dim x 4 bytes
+    token_bytes = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+    kv_delta = (runs["floor"]["kv_cache_tokens"] - runs["all"]["kv_cache_tokens"]) * token_bytes
+    pool_delta = (keys - 10) * RowLayout(cfg["hidden_size"], cfg["moe_intermediate_size"]).row_bytes
+    assert kv_delta == pytest.approx(pool_delta, rel=0.01), (kv_delta, pool_delta)
 
 
 def test_openai_server_reports_residency_on_metrics(model, tmp_path):

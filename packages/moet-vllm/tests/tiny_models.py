@@ -392,9 +392,14 @@ def _layer(arch: str, c: dict, i: int) -> Spec:
     return out
 
 
-def tensor_spec(arch: str) -> Spec:
+def config(arch: str, overrides: dict | None = None) -> dict:
+    """`arch`'s config.json: CONFIGS[arch] with `overrides` (e.g. wider experts) applied."""
+    return {**CONFIGS[arch], **(overrides or {})}
+
+
+def tensor_spec(arch: str, overrides: dict | None = None) -> Spec:
     """Every tensor of `arch`'s checkpoint, in generation order."""
-    c = CONFIGS[arch]
+    c = config(arch, overrides)
     h, v, n = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
     out: Spec = [("model.embed_tokens.weight", (v, h), "embed")]
     for i in range(n):
@@ -415,10 +420,12 @@ def tensor_spec(arch: str) -> Spec:
     return out
 
 
-def make_tensors(arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_tensors(
+    arch: str, seed: int = 0, overrides: dict | None = None
+) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    for name, shape, kind in tensor_spec(arch):
+    for name, shape, kind in tensor_spec(arch, overrides):
         if kind.startswith("copy:"):
             tensors[name] = tensors[kind[len("copy:") :]].clone()
             continue
@@ -546,11 +553,17 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def marker(arch: str, seed: int) -> dict:
+def marker(arch: str, seed: int, overrides: dict | None = None) -> dict:
     """What identifies a written model: the arch, seed, format version and a digest of the
     config and tensor spec (so an edit of either invalidates a cached directory)."""
     blob = json.dumps(
-        [CONFIGS[arch], tensor_spec(arch), CORPUS, SPECIAL_TOKENS, chat_template(arch)]
+        [
+            config(arch, overrides),
+            tensor_spec(arch, overrides),
+            CORPUS,
+            SPECIAL_TOKENS,
+            chat_template(arch),
+        ]
     )
     return {
         "arch": arch,
@@ -560,24 +573,27 @@ def marker(arch: str, seed: int) -> dict:
     }
 
 
-def is_complete(out_dir: str | os.PathLike, arch: str, seed: int = 0) -> bool:
+def is_complete(
+    out_dir: str | os.PathLike, arch: str, seed: int = 0, overrides: dict | None = None
+) -> bool:
     out = Path(out_dir)
     try:
         found = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return (out / "config.json").is_file() and found == marker(arch, seed)
+    return (out / "config.json").is_file() and found == marker(arch, seed, overrides)
 
 
-def _write_into(d: Path, arch: str, seed: int) -> None:
-    save_file(make_tensors(arch, seed), str(d / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(d / "config.json", CONFIGS[arch])
+def _write_into(d: Path, arch: str, seed: int, overrides: dict | None) -> None:
+    tensors = make_tensors(arch, seed, overrides)
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(d / "config.json", config(arch, overrides))
     _write_json(
         d / "generation_config.json",
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID},
     )
     write_tokenizer(d, template=chat_template(arch))
-    _write_json(d / MARKER, marker(arch, seed))  # last: the directory is complete
+    _write_json(d / MARKER, marker(arch, seed, overrides))  # last: the directory is complete
     umask = os.umask(0o022)
     os.umask(umask)
     for f in d.iterdir():
@@ -585,18 +601,21 @@ def _write_into(d: Path, arch: str, seed: int) -> None:
     d.chmod(0o777 & ~umask)  # mkdtemp made it private
 
 
-def write_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+def write_tiny_model(
+    arch: str, out_dir: str | os.PathLike, seed: int = 0, overrides: dict | None = None
+) -> Path:
     """Write the tiny `arch` checkpoint to `out_dir` (skipped when it is already there, complete
-    and of the same parameters) and return its path."""
+    and of the same parameters) and return its path. `overrides`: config.json values to change
+    (the tensors follow them), e.g. {"moe_intermediate_size": 4096} for wider experts."""
     if arch not in CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; choose from {', '.join(ARCHS)}")
     out = Path(out_dir)
-    if is_complete(out, arch, seed):
+    if is_complete(out, arch, seed, overrides):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        _write_into(tmp, arch, seed)
+        _write_into(tmp, arch, seed, overrides)
         if out.exists():  # stale or incomplete: move it aside, then replace it
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / "x")
@@ -604,7 +623,7 @@ def write_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0) -> Pa
         try:
             os.replace(tmp, out)
         except OSError:  # a concurrent writer got there first
-            if not is_complete(out, arch, seed):
+            if not is_complete(out, arch, seed, overrides):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

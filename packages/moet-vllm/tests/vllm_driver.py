@@ -3,7 +3,8 @@
     python vllm_driver.py MODEL OUT.json [--quantization moet] [--prompts-file PROMPTS.json]
 
 Greedy decoding of fixed token prompts (PROMPTS, or the token-id lists of --prompts-file; float32
-unless --dtype); writes {"tokens": [[...], ...], "init_seconds": s}. vLLM spawns processes, so this runs as a script, never imported by pytest.
+unless --dtype); writes {"tokens": [[...], ...], "kv_cache_tokens": n, "init_seconds": s, ...}.
+vLLM spawns processes, so this runs as a script, never imported by pytest.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="more: seeded random ones")
     ap.add_argument("--prompts-file", help="a JSON list of token-id lists (instead of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="on CPU: the share of host memory for the worker; its KV cache gets what the "
+        "loaded model leaves of it (instead of VLLM_CPU_KVCACHE_SPACE)",
+    )
     args = ap.parse_args()
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -51,7 +59,10 @@ def main() -> None:
     else:
         todo = prompts(args.prompts)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.gpu_memory_utilization:  # the KV cache gets that share of memory less what is used
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -65,6 +76,11 @@ def main() -> None:
         max_model_len=128,
         seed=0,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+        **(
+            {"gpu_memory_utilization": args.gpu_memory_utilization}
+            if args.gpu_memory_utilization
+            else {}
+        ),
         quantization=args.quantization,
         speculative_config=spec,
         disable_log_stats=not args.mtp,
@@ -87,10 +103,12 @@ def main() -> None:
         for m in llm.get_metrics():
             if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
                 spec_counters[m.name] = m.value
+    cache = llm.llm_engine.vllm_config.cache_config  # as the engine core sized it
     with open(args.out, "w") as f:
         json.dump(
             {
                 "tokens": tokens,
+                "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
                 "init_seconds": init,
                 "generate_seconds": generate,
                 "spec_decode": spec_counters,
