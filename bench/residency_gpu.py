@@ -4,18 +4,26 @@ moet-kernels' W2 MoE op in a captured CUDA graph, driven by a routing trace (iss
     python bench/residency_gpu.py [--device cuda] [--layers 8] [--experts 256] [--hidden 6144]
         [--inter 2048] [--top-k 8] [--steps 384] [--coverages 1.0 0.9 0.8 ...] [--out DIR]
         [--host-tier ram|tiered|pagecache] [--arena-gib G] [--warm-start trace|past]
+        [--trace glm-5.2|fixture] [--policies decay predict]
 
 The model is a stack of MoE layers, x <- x + moe(rms_norm(x)), decoding one token per step; the
-routing of step t, layer l is the trace's (synthetic, GLM-5.2-shaped: moet_vllm.residency.traces),
-its weights fixed random. One forward pass is one CUDA graph (on the CPU: eager, the reference op).
+routing of step t, layer l is the trace's, its weights fixed random. The trace is synthetic
+(GLM-5.2-shaped, moet_vllm.residency.traces, on the stack's geometry) or the fixture model's real
+one (`--trace fixture`: bench/out/fixture, built by bench/fixture/evaluate.py; its 3 MoE layers x
+64 experts, top-4, and the input token of each step, with --hidden/--inter's expert rows). One
+forward pass is one CUDA graph (on the CPU: eager, the reference op).
+
+Policies: `decay` fetches on demand; `predict` (fixture trace: it needs the tokens) also fetches,
+before a step's forward, what its input token is predicted to route, learning from the routing
+that the captured graph copies into the manager's `route_ids`.
 
 - all-resident: every expert in the pool; each step's output is the reference;
 - per coverage c: a pool of c of the experts, the serving policy, the batched fetch from a
   moet-store host tier (`ram` by default; `tiered`: a pinned arena over the pack files), replays.
   Every step's output must be bit-identical to the all-resident run's; reported: replay % of
   steps, missing pairs per step, step time vs all-resident, fetch bandwidth vs a plain pinned H2D
-  copy of the same rows measured in the same run, and the simulator's replay % for the same trace
-  and pool (same warm start); once, the fetch's cost by batch size (`fetch_costs`).
+  copy of the same rows measured in the same run, and the simulator's replay % for the same trace,
+  pool, policy and warm start; once, the fetch's cost by batch size (`fetch_costs`).
 
 The first quarter of the steps warms the policy and is not counted (as in bench(residency)).
 Writes <machine>-<date>.json to --out (default bench/results/residency_gpu/), with the run's
@@ -40,6 +48,7 @@ for pkg in ("moet-kernels", "moet-quant", "moet-vllm"):  # pure Python; moet-sto
 
 from kernels import build_cubin  # noqa: E402  (bench/, the script's folder)
 from provenance import provenance  # noqa: E402
+from residency import load_fixture  # noqa: E402  (bench/residency.py: the fixture's trace)
 from results_io import machine, write_result  # noqa: E402
 
 import moet_store  # noqa: E402
@@ -125,9 +134,9 @@ class Stack:
         self.w.copy_(w)
 
 
-def run(mgr, stack, inputs, ids, weights, warmup, dev):
-    """Decode every step through the manager; -> outputs, per-step seconds and whether the step
-    replayed (measured steps)."""
+def run(mgr, stack, inputs, ids, weights, warmup, dev, tokens=None):
+    """Decode every step through the manager (`tokens` int [steps]: each step's input token, for
+    the predictor); -> outputs, per-step seconds and whether the step replayed (measured steps)."""
     outs, seconds, replayed = [], [], []
     for t in range(len(inputs)):
         if t == warmup:
@@ -135,7 +144,8 @@ def run(mgr, stack, inputs, ids, weights, warmup, dev):
         stack.set_step(inputs[t], ids[t], weights[t])
         t0 = time.perf_counter()
         before = mgr.counters.replayed_steps
-        out = mgr.run_forward(stack.forward, n_real=1)
+        token = None if tokens is None else tokens[t : t + 1]
+        out = mgr.run_forward(stack.forward, n_real=1, token_ids=token)
         if dev == "cuda":
             torch.cuda.synchronize()
         if t >= warmup:
@@ -210,6 +220,28 @@ def fetch_costs(mgr: ResidencyManager, lay, dev: str) -> list[dict]:
     return rows
 
 
+FIXTURE_EXPERTS = 64  # the fixture model's routed experts per MoE layer
+
+
+def load_trace(args) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """(routing uint16 [steps, layers, top_k], input token of each step or None, trace name)."""
+    if args.trace == "fixture":
+        fixture = load_fixture(args.steps)
+        if fixture is None:
+            sys.exit("the fixture's trace is missing: build it with bench/fixture/evaluate.py")
+        if fixture["E"] != FIXTURE_EXPERTS:
+            sys.exit(f"the fixture's trace has {fixture['E']} experts, not {FIXTURE_EXPERTS}")
+        return fixture["ids"], fixture["tokens"], "fixture (test split)"
+    # GLM-5.2's routing statistics (calibrated coverage) on this stack's geometry
+    profile = dataclasses.replace(
+        traces.GLM_5_2, moe_layers=args.layers, n_experts=args.experts, top_k=args.top_k,
+        hidden=args.hidden, moe_intermediate=args.inter,
+        topic_experts=min(traces.GLM_5_2.topic_experts, args.experts // 2),
+        phrase_experts=min(traces.GLM_5_2.phrase_experts, args.experts // 4),
+    )  # fmt: skip
+    return traces.synthetic_trace(profile, args.steps, args.seed), None, profile.model
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -235,26 +267,28 @@ def main() -> int:
                     "warm-up quarter's (cold)")  # fmt: skip
     ap.add_argument("--arena-gib", type=float, default=None,
                     help="host_tier=tiered: the arena's size (default: moet-store's)")  # fmt: skip
+    ap.add_argument("--trace", choices=("glm-5.2", "fixture"), default="glm-5.2",
+                    help="synthetic GLM-5.2-shaped routing on --layers/--experts/--top-k, or "
+                    "the fixture's real routing and tokens (its own geometry)")  # fmt: skip
+    ap.add_argument("--policies", nargs="+", choices=("decay", "predict"), default=["decay"],
+                    help="run each pool with each (predict: --trace fixture)")  # fmt: skip
     ap.add_argument("--out", help="result folder (default bench/results/residency_gpu/)")
     args = ap.parse_args()
-    dev, n_layers, n_experts, k = args.device, args.layers, args.experts, args.top_k
+    trace, tokens, name = load_trace(args)
+    if "predict" in args.policies and tokens is None:
+        ap.error("--policies predict needs a trace with tokens (--trace fixture)")
+    dev, (n_steps, n_layers, k) = args.device, trace.shape
+    n_experts = args.experts if tokens is None else FIXTURE_EXPERTS
     lay = NativeRowLayout(args.hidden, args.inter)
     if dev == "cuda":
         build_cubin()  # for this GPU, unless MOET_KERNELS_CUBIN_DIR names built ones
-    # GLM-5.2's routing statistics (calibrated coverage) on this stack's geometry
-    profile = dataclasses.replace(
-        traces.GLM_5_2, moe_layers=n_layers, n_experts=n_experts, top_k=k,
-        hidden=args.hidden, moe_intermediate=args.inter,
-        topic_experts=min(traces.GLM_5_2.topic_experts, n_experts // 2),
-        phrase_experts=min(traces.GLM_5_2.phrase_experts, n_experts // 4),
-    )  # fmt: skip
-    trace = traces.synthetic_trace(profile, args.steps, args.seed)
     steps = simulate.decode_steps(trace, n_experts)
-    warmup = args.steps // 4
+    token_keys = None if tokens is None else simulate.step_tokens(trace, tokens, n_experts)
+    warmup = n_steps // 4
     gen = torch.Generator().manual_seed(args.seed + 1)
-    inputs = torch.randn(args.steps, 1, args.hidden, generator=gen).to(torch.bfloat16).to(dev)
-    ids = torch.from_numpy(trace.astype(np.int32)).view(args.steps, n_layers, 1, k).to(dev)
-    w = torch.rand(args.steps, n_layers, 1, k, generator=gen)
+    inputs = torch.randn(n_steps, 1, args.hidden, generator=gen).to(torch.bfloat16).to(dev)
+    ids = torch.from_numpy(trace.astype(np.int32)).view(n_steps, n_layers, 1, k).to(dev)
+    w = torch.rand(n_steps, n_layers, 1, k, generator=gen)
     weights = (w / w.sum(-1, keepdim=True)).to(dev)
     report = {
         "environment": {**provenance([sys.executable, *sys.argv]), "device": dev},
@@ -262,7 +296,7 @@ def main() -> int:
         "warm_start": args.warm_start,
         "model": {"layers": n_layers, "experts": n_experts, "hidden": args.hidden,
                   "inter": args.inter, "top_k": k, "row_bytes": lay.row_bytes,
-                  "trace": profile.model, "steps": args.steps, "warmup_steps": warmup},
+                  "trace": name, "steps": n_steps, "warmup_steps": warmup},
         "runs": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="moet-residency-gpu-") as tmp:
@@ -278,19 +312,20 @@ def main() -> int:
         reference = None
         resident_step = None
         # all-resident once more at the end: the run-to-run noise of the baseline
-        for cov in [*sorted(set(args.coverages), reverse=True), 1.0]:
+        runs = [*sorted(set(args.coverages), reverse=True), 1.0]
+        for cov, policy in [(cov, policy) for cov in runs for policy in args.policies]:
             n_slots = max(1, int(round(cov * n_keys)))
             arena = {} if args.arena_gib is None else {"arena_bytes": int(args.arena_gib * 2**30)}
             store = moet_store.open_store(directory, spec, backend=args.host_tier, **arena)
             mgr = ResidencyManager(
                 lay, list(range(n_layers)), n_experts, n_slots, store, kpi_every=0,
-                predict=False, device=dev, reduce_max=int,  # one rank: no TP consensus
+                predict=policy == "predict", device=dev, reduce_max=int,  # one rank: no TP
             )  # fmt: skip
             mgr.preload(hot)
             stack = Stack(mgr, lay, n_layers, k, dev)
             stack.capture()
             graph_us = 1e6 * graph_seconds(stack, dev)  # this run's forward pass alone
-            outs, seconds, replayed = run(mgr, stack, inputs, ids, weights, warmup, dev)
+            outs, seconds, replayed = run(mgr, stack, inputs, ids, weights, warmup, dev, tokens)
             c = mgr.counters
             if reference is None:  # the first (largest) pool is all-resident
                 if cov < 1.0:
@@ -298,14 +333,19 @@ def main() -> int:
                 reference = outs
                 resident_step = float(seconds.mean())
             identical = all(torch.equal(a, b) for a, b in zip(outs, reference))
+            knobs = (
+                {} if token_keys is None else {"tokens": token_keys[0], "token_keys": token_keys[1]}
+            )
             sim = simulate.run_policy(
-                "decay", steps, n_slots, n_layers, n_experts, warmup=warmup, initial=hot
+                policy, steps, n_slots, n_layers, n_experts, warmup=warmup, initial=hot, **knobs
             )
             fetch_gbps = c.fetched_bytes / c.fetch_seconds / 1e9 if c.fetch_seconds else None
             row = {
                 "coverage": cov,
+                "policy": policy,
                 "slots": n_slots,
                 "bit_identical_to_resident": identical,
+                "replay_steps_equal_simulator": c.replayed_steps == sim.replay_steps,
                 "replay_pct": 100.0 * c.replayed_steps / max(c.steps, 1),
                 "missing_pairs_per_step": c.missing_pairs / max(c.steps, 1),
                 "second_order_replays": c.second_order,
@@ -321,6 +361,8 @@ def main() -> int:
                 "step_us": [round(1e6 * x, 1) for x in seconds],
                 "step_replayed": replayed.astype(int).tolist(),
                 "fetched_rows": c.fetched_rows,
+                "predicted_steps": c.predicted_steps,
+                "predicted_rows": c.predicted_rows,
                 "fetch_GBps": fetch_gbps,
                 "simulated_replay_pct": sim.replay_pct,
             }
@@ -332,7 +374,8 @@ def main() -> int:
                     row["fetch_share_of_pinned_h2d"] = fetch_gbps / pinned
             report["runs"].append(row)
             print(
-                f"coverage {cov:4.2f}: identical={identical} replay {row['replay_pct']:5.1f}% "
+                f"coverage {cov:4.2f} {policy}: identical={identical} replay "
+                f"{row['replay_pct']:5.1f}% "
                 f"(simulated {sim.replay_pct:5.1f}%), missing/step "
                 f"{row['missing_pairs_per_step']:.2f}, step {row['step_us_mean']:8.1f} us = "
                 f"{row['speed_vs_resident']:.2f}x resident, fetch "
@@ -343,9 +386,11 @@ def main() -> int:
                 report["fetch_costs"] = fetch_costs(mgr, lay, dev)
             mgr.close()
             del stack, mgr
-    ok = all(r["bit_identical_to_resident"] for r in report["runs"])
+    ok = all(
+        r["bit_identical_to_resident"] and r["replay_steps_equal_simulator"] for r in report["runs"]
+    )
     write_result("residency_gpu", report, machine() if dev == "cuda" else "cpu", args.out)
-    print(f"every step bit-identical to all-resident: {ok}")
+    print(f"every step bit-identical to all-resident, replays as simulated: {ok}")
     return 0 if ok else 1
 
 

@@ -5,8 +5,10 @@ One `ResidencyManager` per worker process serves every MoE layer of the model:
 
 * `pool` uint8 [n_slots, row_bytes]: expert rows (`moet_kernels.layout.RowLayout`), one slot each;
   `slot_table` int32 [moe_layers, E] (-1: not resident); `miss_count` int32 [1] and `routed` uint8
-  [moe_layers, E], which the MoE layers' route op fills during a forward pass. All are allocated
-  at load and never move once serving starts (a CUDA graph reads them by address); only
+  [moe_layers, E], which the MoE layers' route op fills during a forward pass; when predicting,
+  `route_ids` int32 [tiered layers, rows, top_k], a copy of each pass's routing written inside the
+  forward (so inside a captured CUDA graph too), from which the predictor learns. All are
+  allocated before serving and never move once a CUDA graph reads them by address; only
   `gpu_pool=auto` re-sizes the pool once, after the KV cache and before graph capture (`resize`).
 * the host tier: a moet-store `Store` over the model's pack files (backend ram, pagecache or
   tiered), the source of every fetch;
@@ -110,12 +112,13 @@ class ResidencyManager:
         self.moe_layers = list(moe_layers)  # model layer index of each MoE-layer ordinal
         self.pinned = [self.moe_layers.index(m) for m in pinned_layers]
         self.tiered = [o for o in range(len(self.moe_layers)) if o not in self.pinned]
+        self._tiered_index = {o: i for i, o in enumerate(self.tiered)}
         self.device, self.predict = torch.device(device), predict
         self.streaming = False  # this forward stages what the pool cannot hold, layer by layer
         self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.routed = torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, device=device)
         self._token_ids: np.ndarray | None = None  # the step's input tokens, when predicting
-        self._routes: dict[int, torch.Tensor] = {}  # tiered ordinal -> this pass's ids
+        self.route_ids: torch.Tensor | None = None  # sized by the largest eager pass (_record)
         self.miss_mode, self.miss_tolerance = miss_mode, miss_tolerance
         self.max_replays, self.kpi_every = max_replays, kpi_every
         self.fetch_attempts = fetch_attempts
@@ -183,8 +186,8 @@ class ResidencyManager:
         the staging slots first and the returned table points there (they never enter the pool)."""
         o = self.moe_layers.index(model_layer)
         table = self.slot_table[o]
-        if self._token_ids is not None:  # what each token routes, for the predictor
-            self._routes[o] = ids[: self.n_real_tokens]
+        if self.policy.predicts and o in self._tiered_index:  # for the predictor
+            self._record(self._tiered_index[o], ids)
         if not self.streaming:
             return table, self.routed[o]
         routed = torch.unique(ids[: self.n_real_tokens]).long()
@@ -196,6 +199,22 @@ class ResidencyManager:
             table[missing] = staged.to(table.dtype)
             self.counters.staged_rows += len(missing)
         return table, self.routed[o]
+
+    def _record(self, i: int, ids: torch.Tensor) -> None:
+        """Copy a pass's routing of tiered layer `i` into `route_ids` (a device copy: inside a
+        captured graph it is part of every replay). The buffer grows only outside a capture, to
+        the largest pass so far; vLLM profiles with its largest batch before capturing."""
+        n, k = ids.shape
+        buf = self.route_ids
+        if buf is None or buf.shape[1] < n or buf.shape[2] != k:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise MoetResidencyError(
+                    f"moet: a CUDA graph captures a pass of {n} tokens x top-{k}, larger than "
+                    "any pass run before the capture: run the largest batch eagerly first"
+                )
+            buf = torch.zeros(len(self.tiered), n, k, dtype=torch.int32, device=self.device)
+            self.route_ids = buf
+        buf[i, :n].copy_(ids)
 
     # -- fetching --
 
@@ -296,7 +315,7 @@ class ResidencyManager:
         self._apply_tuning()
         c = self.counters
         missed_first = 0
-        self._token_ids, self._routes = None, {}
+        self._token_ids = None
         if token_ids is not None and self.policy.predicts:
             toks = torch.as_tensor(token_ids)[:n_real].to("cpu", torch.int64).numpy()
             self._token_ids = toks
@@ -356,15 +375,13 @@ class ResidencyManager:
 
     def _learn_tokens(self) -> None:
         """Teach the policy what each input token of the step routed (the last pass's ids)."""
-        toks, routes = self._token_ids, self._routes
-        self._token_ids, self._routes = None, {}
-        if toks is None or len(toks) == 0 or any(o not in routes for o in self.tiered):
+        toks, self._token_ids = self._token_ids, None
+        buf = self.route_ids
+        if toks is None or len(toks) == 0 or buf is None or buf.shape[1] < len(toks):
             return
-        keys = [
-            routes[o].to("cpu", torch.int64).numpy() + i * self.n_experts
-            for i, o in enumerate(self.tiered)
-        ]
-        self.policy.learn(toks, np.concatenate(keys, axis=1))
+        ids = buf[:, : len(toks)].to("cpu", torch.int64).numpy()  # [tiered, tokens, top_k]
+        keys = ids + (np.arange(len(self.tiered)) * self.n_experts)[:, None, None]
+        self.policy.learn(toks, keys.transpose(1, 0, 2).reshape(len(toks), -1))
 
     def _apply_tuning(self) -> None:
         values = self.tune.poll()
