@@ -27,6 +27,7 @@ from serving import (
 from tiny_models import config, write_tiny_model
 
 from moet_kernels.layout import RowLayout
+from moet_quant import convert
 
 pytest.importorskip("vllm")
 
@@ -131,15 +132,14 @@ def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
     The first boot writes the pack files (its allocator keeps some of that memory); the next two,
     a pool at the boot floor and one of every expert, read them and differ only in the pool."""
     src = write_tiny_model("qwen3_moe", tmp_path / "wide", overrides=WIDE)
-    from moet_quant import convert
-
     model = convert.convert(src, tmp_path / "wide-moet", progress=False).out
     cfg = config("qwen3_moe", WIDE)
     keys = cfg["num_hidden_layers"] * cfg["num_experts"]
+    floor = 10  # 1.15 x 2 MoE layers x top-4 x 1 sequence, rounded up
     flags = ["--max-num-seqs", "1", "--gpu-memory-utilization", "0.15", "--prompts", "1"]
     flags += ["--max-tokens", "2"]
     runs = {}
-    for name, slots in (("packs", keys), ("floor", 10), ("all", keys)):
+    for name, slots in (("packs", keys), ("floor", floor), ("all", keys)):
         env = {"MOET_GPU_POOL": str(slots), "MOET_CACHE_DIR": str(tmp_path / "packs")}
         runs[name] = run_vllm(model, tmp_path, f"kv-{name}", env=env, extra=flags)
         assert f"tiered residency: {slots} expert slots" in runs[name]["log"]
@@ -147,7 +147,8 @@ def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
     # float32 K and V per token: layers x 2 x kv heads x head dim x 4 bytes
     token_bytes = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
     kv_delta = (runs["floor"]["kv_cache_tokens"] - runs["all"]["kv_cache_tokens"]) * token_bytes
-    pool_delta = (keys - 10) * RowLayout(cfg["hidden_size"], cfg["moe_intermediate_size"]).row_bytes
+    row_bytes = RowLayout(cfg["hidden_size"], cfg["moe_intermediate_size"]).row_bytes
+    pool_delta = (keys - floor) * row_bytes
     assert kv_delta == pytest.approx(pool_delta, rel=0.01), (kv_delta, pool_delta)
 
 
