@@ -1,5 +1,6 @@
 """Decode speed on vLLM CPU with tiered residency: a pool at 100% / 50% / 25% of the experts
-against every expert resident, in the same run, on the trained fixture model (real routing).
+against every expert resident, in the same run, on the trained fixture model (real routing); at
+50% and 25% also without the predicted fetch (`MOET_PREDICT=0`, experts fetched on demand only).
 
 Run through nox: `nox -s "bench(residency_serving)"`. The fixture (bench/fixture/glm-moe-fixture:
 3 MoE layers x 64 experts, top-4) is converted by `moet convert` (once, cached under
@@ -36,7 +37,15 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet
 MODEL = CACHE / "glm-moe-fixture-moet"
 DRIVER = TESTS / "vllm_driver.py"
 MAX_TOKENS = 48
-POOLS = ("all", "100%", "50%", "25%")
+# (gpu_pool, predicted fetch): the resident baseline, then the serving default and on-demand fetch
+POOLS = (
+    ("all", True),
+    ("100%", True),
+    ("50%", True),
+    ("50%", False),
+    ("25%", True),
+    ("25%", False),
+)
 
 
 def build_model() -> Path:
@@ -48,12 +57,15 @@ def build_model() -> Path:
     return convert.convert(FIXTURE, MODEL, progress=False).out
 
 
-def serve(model: Path, pool: str, cache_dir: Path, out_dir: Path, prompts: Path) -> dict:
-    out = out_dir / f"{pool.replace('%', 'pct')}.json"
+def serve(
+    model: Path, pool: str, predict: bool, cache_dir: Path, out_dir: Path, prompts: Path
+) -> dict:
+    out = out_dir / f"{pool.replace('%', 'pct')}-{int(predict)}.json"
     env = {
         **os.environ,
         "MOET_CACHE_DIR": str(cache_dir),
         "MOET_GPU_POOL": pool,
+        "MOET_PREDICT": str(int(predict)),
         "MOET_KPI_EVERY": "8",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -72,6 +84,7 @@ def serve(model: Path, pool: str, cache_dir: Path, out_dir: Path, prompts: Path)
     replayed = sum(int(n) * float(p) / 100 for n, p, _ in kpis)
     return {
         "pool": pool,
+        "predict": predict,
         "tokens": res["tokens"],
         "generate_s": round(res["generate_seconds"], 2),
         "decode_tokens_per_s": round(n_tokens / res["generate_seconds"], 2),
@@ -88,13 +101,14 @@ def main() -> int:
         tmp = Path(tmp)
         prompts = tmp / "prompts.json"
         prompts.write_text(json.dumps(fixture_prompts(len(FIXTURE_TEXTS))))
-        for pool in POOLS:  # one pack cache: the first tiered boot writes the packs
+        for pool, predict in POOLS:  # one pack cache: the first tiered boot writes the packs
             t0 = time.perf_counter()
             if pool != "all":  # warm-up boot: fills the pool and saves its hot set
-                serve(model, pool, tmp / "packs", tmp, prompts)
-            run = serve(model, pool, tmp / "packs", tmp, prompts)
+                serve(model, pool, predict, tmp / "packs", tmp, prompts)
+            run = serve(model, pool, predict, tmp / "packs", tmp, prompts)
             print(
-                f"pool {pool:>5}: {run['decode_tokens_per_s']:.2f} tok/s "
+                f"pool {pool:>5}{'' if predict else ' (on demand)'}: "
+                f"{run['decode_tokens_per_s']:.2f} tok/s "
                 f"({time.perf_counter() - t0:.0f} s boot + run)",
                 flush=True,
             )
@@ -121,7 +135,7 @@ def main() -> int:
         "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in runs],
     }
     write_result("residency_serving", result)
-    bad = [r["pool"] for r in runs if not r["tokens_equal_resident"]]
+    bad = [(r["pool"], r["predict"]) for r in runs if not r["tokens_equal_resident"]]
     if bad:
         print(f"FAIL: tokens differ from the resident run for pools {bad}")
         return 1
