@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 for pkg in ("moet-kernels", "moet-quant", "moet-vllm"):  # pure Python; moet-store is built
     sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
 
-from kernels import build_cubin  # noqa: E402  (bench/, the script's folder)
+from kernels import build_cubin, random_scales  # noqa: E402  (bench/, the script's folder)
 from provenance import provenance  # noqa: E402
 from residency import load_fixture  # noqa: E402  (bench/residency.py: the fixture's trace)
 from results_io import machine, write_result  # noqa: E402
@@ -60,27 +60,31 @@ from moet_vllm.residency.manager import ResidencyManager  # noqa: E402
 
 
 def write_packs(directory: Path, lay: NativeRowLayout, n_layers, n_experts, seed, dev):
-    """Random W2 experts (realistic scale bytes), native rows, one pack layer at a time (made on
-    `dev`: packing 2.7 GB layers on the host would take minutes)."""
+    """Random W2 experts, native rows, one pack layer at a time (made on `dev`: packing 2.7 GB
+    layers on the host would take minutes). Scale bytes are shaped like trained weights'
+    (bench/kernels.py `random_scales`): scales drawn independently per block would put most row
+    tiles on the kernels' slow path, which trained weights almost never take."""
     spec = moet_store.PackSpec("w2", 0, 0, n_layers, n_experts, lay.row_bytes, {"bench": seed})
     logical = RowLayout(lay.hidden, lay.inter)
     gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def draw(name, shape):
+        if "scales" in name:
+            return random_scales(shape, "trained", gen, dev)
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen, device=dev)
+
     with moet_store.open_pack_for_write(directory, spec) as writer:
         for layer in range(n_layers):
             sections = {
-                name: torch.randint(
-                    118 if "scales" in name else 0,
-                    125 if "scales" in name else 256,
-                    (n_experts, *shape),
-                    dtype=torch.uint8,
-                    generator=gen,
-                    device=dev,
-                )
+                name: draw(name, (n_experts, *shape))
                 for name, (_, shape) in logical.sections.items()
             }
-            writer.write_layer(layer, lay.pack(**sections).cpu().numpy())
+            rows = lay.pack(**sections).cpu().numpy()
+            if layer == 0:  # what the kernels' slow path will see (trained weights: ~0)
+                slow = lay.slow_tile_fractions(rows[0])
+            writer.write_layer(layer, rows)
             print(f"  pack layer {layer + 1}/{n_layers} written", flush=True)
-    return spec
+    return spec, slow
 
 
 class Stack:
@@ -303,7 +307,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="moet-residency-gpu-") as tmp:
         directory = Path(args.packs or tmp)
         t0 = time.time()
-        spec = write_packs(directory, lay, n_layers, n_experts, args.seed, dev)
+        spec, slow = write_packs(directory, lay, n_layers, n_experts, args.seed, dev)
+        report["model"]["slow_tile_fraction"] = slow  # of the first expert row
         print(f"packs written in {time.time() - t0:.1f} s", flush=True)
         n_keys = n_layers * n_experts
         # the warm start: "trace", the whole trace's hottest (the hot set a long run would have
