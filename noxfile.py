@@ -212,11 +212,12 @@ def bench(session: nox.Session, what: str) -> None:
     residency: the expert-pool policy vs Belady on synthetic and the fixture's routing traces
     (docs/residency.md);
     residency_serving: vLLM CPU decode tokens/s of the fixture with a 100/50/25% expert pool vs
-    all resident;
+    all resident, and at 50/25% without the predicted fetch;
     residency_gpu: the serving manager, a moet-store host tier and moet-kernels in a captured CUDA
     graph (bench/h200/residency.sh on the H200; on a CPU pass a toy stack, e.g. `-- --hidden 256
-    --inter 128 --experts 16 --layers 2`): bit-identity, replay % and step time vs pool coverage,
-    fetch vs pinned H2D (docs/residency.md);
+    --inter 128 --experts 16 --layers 2`): bit-identity, replay % (= the simulator's) and step time
+    vs pool coverage, per policy (`--trace fixture --policies decay predict`), fetch vs pinned H2D
+    (docs/residency.md);
     kernels: needs a CUDA GPU (bench/h200/kernels.sh on the H200): validates the W2 MoE op against
     float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md);
     kernel_activations: how far int8 (per 128) and e4m3 (per token) activations move the trained
