@@ -230,13 +230,18 @@ def stages(ws, held, holder, inter, x, ids, w, out) -> dict:
     from moet_kernels.reference import _tier_kernel_weights as kernel_weights
     from moet_kernels.reference import quantize_activations
 
+    def quantized_exactly(values, q_buf, s_buf) -> bool:
+        """The kernel's int8 rows and scales equal the reference's, padding zero."""
+        q, s = quantize_activations(values)
+        k, nb = q.shape[1], s.shape[1]
+        return bool(
+            torch.equal(q_buf[:, :k], q) and not q_buf[:, k:].any()
+            and torch.equal(s_buf[:, :nb], s) and not s_buf[:, nb:].any()
+        )  # fmt: skip
+
     n_tok, h_dim = x.shape
     top_k = ids.shape[1]
-    q, s = quantize_activations(x.float())
-    r = {"activations_exact": bool(
-        torch.equal(ws.xq[:, :h_dim], q) and not ws.xq[:, h_dim:].any()
-        and torch.equal(ws.xs[:, : s.shape[1]], s) and not ws.xs[:, s.shape[1]:].any()
-    )}  # fmt: skip
+    r = {"activations_exact": quantized_exactly(x.float(), ws.xq, ws.xs)}
     ok = held[ids.long()].flatten()
     r["pair_mask_exact"] = bool(torch.equal(ws.pair_ok.bool(), ok))
     pairs = ok.nonzero().flatten()
@@ -256,11 +261,7 @@ def stages(ws, held, holder, inter, x, ids, w, out) -> dict:
         h_ref[sel] = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         y_ref[sel] = ak[sel] @ kernel_weights(tier, parts[n13:]).T
     r["rel_w13"] = rel_rows(ws.h[pairs, :inter], h_ref)
-    q, s = quantize_activations(ws.h[pairs, :inter])
-    r["requant_exact"] = bool(
-        torch.equal(aq[:, :inter], q) and not aq[:, inter:].any()
-        and torch.equal(as_[:, : s.shape[1]], s) and not as_[:, s.shape[1]:].any()
-    )  # fmt: skip
+    r["requant_exact"] = quantized_exactly(ws.h[pairs, :inter], aq, as_)
     r["rel_w2"] = rel_rows(ws.y[pairs], y_ref)
     acc = torch.zeros(n_tok, h_dim, dtype=torch.float32, device=x.device)
     y = ws.y.view(n_tok, top_k, h_dim)
@@ -333,7 +334,7 @@ def validate_case(
     # the stages' float64 GEMMs are left out under compute-sanitizer (--sanitize), for time
     result["stages"] = None
     if staged:
-        key = (x.device, n_tok, top_k, hidden, inter, n_experts, result["job_pairs"])
+        key = ops.workspace_key(x.device, n_tok, top_k, layer.lay, n_experts, result["job_pairs"])
         result["stages"] = stages(ops._workspaces[key], held, holder, inter, x, ids, w, out)
     xf = x.float()
     ref_k = _moe(xf, ids.long(), w, inter, experts, skip=skip, mode="kernel", tier=tier_of)

@@ -225,18 +225,14 @@ def fetch_costs(mgr: ResidencyManager, lay, dev: str) -> list[dict]:
     return rows
 
 
-FIXTURE_EXPERTS = 64  # the fixture model's routed experts per MoE layer
-
-
-def load_trace(args) -> tuple[np.ndarray, np.ndarray | None, str]:
-    """(routing uint16 [steps, layers, top_k], input token of each step or None, trace name)."""
+def load_trace(args) -> tuple[np.ndarray, np.ndarray | None, int, str]:
+    """(routing uint16 [steps, layers, top_k], input token of each step or None, experts per
+    layer, trace name)."""
     if args.trace == "fixture":
         fixture = load_fixture(args.steps)
         if fixture is None:
             sys.exit("the fixture's trace is missing: build it with bench/fixture/evaluate.py")
-        if fixture["E"] != FIXTURE_EXPERTS:
-            sys.exit(f"the fixture's trace has {fixture['E']} experts, not {FIXTURE_EXPERTS}")
-        return fixture["ids"], fixture["tokens"], "fixture (test split)"
+        return fixture["ids"], fixture["tokens"], fixture["E"], "fixture (test split)"
     # GLM-5.2's routing statistics (calibrated coverage) on this stack's geometry
     profile = dataclasses.replace(
         traces.GLM_5_2, moe_layers=args.layers, n_experts=args.experts, top_k=args.top_k,
@@ -244,7 +240,8 @@ def load_trace(args) -> tuple[np.ndarray, np.ndarray | None, str]:
         topic_experts=min(traces.GLM_5_2.topic_experts, args.experts // 2),
         phrase_experts=min(traces.GLM_5_2.phrase_experts, args.experts // 4),
     )  # fmt: skip
-    return traces.synthetic_trace(profile, args.steps, args.seed), None, profile.model
+    trace = traces.synthetic_trace(profile, args.steps, args.seed)
+    return trace, None, args.experts, profile.model
 
 
 def main() -> int:
@@ -279,11 +276,10 @@ def main() -> int:
                     help="run each pool with each (predict: --trace fixture)")  # fmt: skip
     ap.add_argument("--out", help="result folder (default bench/results/residency_gpu/)")
     args = ap.parse_args()
-    trace, tokens, name = load_trace(args)
+    trace, tokens, n_experts, name = load_trace(args)
     if "predict" in args.policies and tokens is None:
         ap.error("--policies predict needs a trace with tokens (--trace fixture)")
     dev, (n_steps, n_layers, k) = args.device, trace.shape
-    n_experts = args.experts if tokens is None else FIXTURE_EXPERTS
     lay = NativeRowLayout(args.hidden, args.inter)
     if dev == "cuda":
         build_cubin()  # for this GPU, unless MOET_KERNELS_CUBIN_DIR names built ones

@@ -28,6 +28,7 @@ from tiny_models import config, write_tiny_model
 
 from moet_kernels.layout import RowLayout
 from moet_quant import convert
+from moet_vllm.residency.sizing import boot_floor
 
 pytest.importorskip("vllm")
 
@@ -135,7 +136,7 @@ def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
     model = convert.convert(src, tmp_path / "wide-moet", progress=False).out
     cfg = config("qwen3_moe", WIDE)
     keys = cfg["num_hidden_layers"] * cfg["num_experts"]
-    floor = 10  # 1.15 x 2 MoE layers x top-4 x 1 sequence, rounded up
+    floor = boot_floor(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], 1, 1)  # 10
     flags = ["--max-num-seqs", "1", "--gpu-memory-utilization", "0.15", "--prompts", "1"]
     flags += ["--max-tokens", "2"]
     runs = {}

@@ -80,11 +80,16 @@ def job_size(n_pairs: int, n_experts: int, tiers=("w2",)) -> int:
     return PREFILL_JOB if prefill and set(tiers) <= set(PREFILL_TIERS) else TOK
 
 
+def workspace_key(dev, n_tok: int, top_k: int, lay, n_experts: int, job_tok: int) -> tuple:
+    """Which `_workspaces` entry a batch uses (any tier's buffers: they depend on the shapes)."""
+    return (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts, job_tok)
+
+
 def _workspace(dev, n_tok: int, top_k: int, tiers, n_experts: int) -> _Workspace:
     """The fixed buffers of one batch shape and job size (tiers: [(pool, slot_table, layout)])."""
     lay = tiers[-1][2]
     job_tok = job_size(n_tok * top_k, n_experts, [tl.tier.name for _, _, tl in tiers])
-    key = (dev, n_tok, top_k, lay.hidden, lay.inter, n_experts, job_tok)  # any tier's buffers
+    key = workspace_key(dev, n_tok, top_k, lay, n_experts, job_tok)
     ws = _workspaces.get(key)
     if ws is None:
         if torch.cuda.is_current_stream_capturing():
