@@ -126,8 +126,8 @@ class Stack:
         with torch.cuda.graph(self.graph):
             self.out = self._forward()
 
-    def forward(self):
-        if self.graph is None:
+    def forward(self, eager: bool = False):
+        if self.graph is None or eager:
             self.out = self._forward()
         else:
             self.graph.replay()

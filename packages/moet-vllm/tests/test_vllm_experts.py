@@ -62,7 +62,7 @@ def test_tensor_parallel_shards_tile_the_whole(tmp_path):
         assert np.array_equal(
             p["w2_scales"], whole["w2_scales"][:, :, r * i // 32 : (r + 1) * i // 32]
         )
-    assert ExpertSource.open(src, CFG, 0, 2).layout.inter == 64
+    assert ExpertSource.open(src, CFG, 0, 2).row_layout(native=False).inter == 64
     with pytest.raises(MoetVllmError, match="not a multiple of 32 per rank"):
         ExpertSource.open(src, CFG, tp_rank=0, tp_size=8).layer(0)
 

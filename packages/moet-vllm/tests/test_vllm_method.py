@@ -7,7 +7,7 @@ pytest.importorskip("vllm")  # the CPU vLLM of CI
 from quantized_models import quantization_config  # noqa: E402
 
 from moet_vllm.compat import MoetVllmError  # noqa: E402
-from moet_vllm.vllm_method import MoetQuantConfig, _layer_index  # noqa: E402
+from moet_vllm.method import MoetQuantConfig, _layer_index  # noqa: E402
 
 
 def test_method_selection():

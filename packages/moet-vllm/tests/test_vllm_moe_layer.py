@@ -18,7 +18,7 @@ from vllm.model_executor.layers.fused_moe.router import cpu_router  # noqa: E402
 from moet_kernels.reference import Routing, route_reference  # noqa: E402
 from moet_quant import w2  # noqa: E402
 from moet_vllm.compat import MoetVllmError  # noqa: E402
-from moet_vllm.vllm_method import MoetMoEMethod, routing_of  # noqa: E402
+from moet_vllm.method import MoetMoEMethod, routing_of  # noqa: E402
 
 E, H, INTER = 16, 64, 32
 ROUTINGS = {  # the layer attributes vLLM sets, per model family

@@ -6,17 +6,14 @@ import subprocess
 import numpy as np
 import pytest
 
-from moet_kernels.layout import RowLayout
+from moet_kernels.layout import NativeRowLayout, RowLayout
 from moet_vllm.config import resolve
 from moet_vllm.packcache import ExpertPackCache
 
 
-def sections(layout, n_experts, seed):
+def rows(layout, n_experts, seed):
     rng = np.random.default_rng(seed)
-    return {
-        n: rng.integers(0, 256, size=(n_experts, *s), dtype=np.uint8)
-        for n, (_, s) in layout.sections.items()
-    }
+    return rng.integers(0, 256, size=(n_experts, layout.row_bytes), dtype=np.uint8)
 
 
 @pytest.fixture
@@ -28,24 +25,23 @@ def test_round_trip_across_boots(cfg):
     lay = RowLayout(64, 32)
     first = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=3, n_experts=4)
     assert first.enabled and first.cached_layers() == set()
-    data = {layer: sections(lay, 4, layer) for layer in range(3)}
-    for layer, secs in data.items():
-        assert first.read_layer(layer) is None
-        first.write_layer(layer, secs)
+    data = {layer: rows(lay, 4, layer) for layer in range(3)}
+    for layer, layer_rows in data.items():
+        assert first.read_rows(layer) is None
+        first.write_rows(layer, layer_rows)
     first.close()
     again = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=3, n_experts=4)  # the next boot
     assert again.cached_layers() == {0, 1, 2}
-    for layer, secs in data.items():
-        got = again.read_layer(layer)
-        assert all(np.array_equal(got[k], v) for k, v in secs.items())
+    for layer, layer_rows in data.items():
+        assert np.array_equal(again.read_rows(layer), layer_rows)
     again.close()
 
 
-@pytest.mark.parametrize("change", ["ckpt", "zero_mode", "tp_size", "geometry"])
+@pytest.mark.parametrize("change", ["ckpt", "zero_mode", "tp_size", "geometry", "layout"])
 def test_any_identity_change_misses(cfg, change):
     lay = RowLayout(64, 32)
     c = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=1, n_experts=4)
-    c.write_layer(0, sections(lay, 4, 0))
+    c.write_rows(0, rows(lay, 4, 0))
     c.close()
     kw = dict(cfg=cfg, ckpt_id="ckpt-a", layout=lay, n_layers=1, n_experts=4)
     if change == "ckpt":
@@ -54,9 +50,11 @@ def test_any_identity_change_misses(cfg, change):
         kw["cfg"] = resolve(None, None, {"MOET_CACHE_DIR": cfg.cache_dir, "MOET_ZERO_MODE": "alt"})
     elif change == "tp_size":
         kw["tp_size"] = 2
-    else:
+    elif change == "geometry":
         kw["layout"] = RowLayout(64, 64)
-    assert ExpertPackCache(**kw).read_layer(0) is None
+    else:  # the kernels' native rows: packs of the logical layout are never misread as them
+        kw["layout"] = NativeRowLayout(64, 32)
+    assert ExpertPackCache(**kw).read_rows(0) is None
 
 
 def test_disabled_and_unresolvable_identity(cfg, tmp_path):
@@ -64,7 +62,7 @@ def test_disabled_and_unresolvable_identity(cfg, tmp_path):
     off = resolve(None, None, {"MOET_CACHE_DIR": str(tmp_path), "MOET_PACK_CACHE": "0"})
     c = ExpertPackCache(off, "x", lay, 1, 4)
     assert not c.enabled and "MOET_PACK_CACHE" in c.reason
-    c.write_layer(0, sections(lay, 4, 0))
+    c.write_rows(0, rows(lay, 4, 0))
     assert not list(tmp_path.glob("*.pack"))
     c = ExpertPackCache(cfg, None, lay, 1, 4)
     assert not c.enabled and "identity" in c.reason
@@ -77,9 +75,9 @@ def test_unwritable_cache_dir_serves_without_the_cache_and_warns_once(tmp_path, 
     lay = RowLayout(64, 32)
     c = ExpertPackCache(cfg, "ckpt-a", lay, 2, 4)
     with caplog.at_level(logging.WARNING):
-        c.write_layer(0, sections(lay, 4, 0))
-        c.write_layer(1, sections(lay, 4, 1))
-    assert not c.enabled and c.read_layer(0) is None
+        c.write_rows(0, rows(lay, 4, 0))
+        c.write_rows(1, rows(lay, 4, 1))
+    assert not c.enabled and c.read_rows(0) is None
     warnings = [r for r in caplog.records if "pack cache off" in r.getMessage()]
     assert len(warnings) == 1
 
@@ -99,8 +97,8 @@ def test_full_cache_dir_serves_without_the_cache_and_warns_once(tmp_path, caplog
         c = ExpertPackCache(cfg, "ckpt-a", lay, 4, 8)
         with caplog.at_level(logging.WARNING):
             for layer in range(4):
-                c.write_layer(layer, sections(lay, 8, layer))
-        assert not c.enabled and c.read_layer(0) is None
+                c.write_rows(layer, rows(lay, 8, layer))
+        assert not c.enabled and c.read_rows(0) is None
         warnings = [r.getMessage() for r in caplog.records if "pack cache off" in r.getMessage()]
         assert len(warnings) == 1 and "space" in warnings[0], warnings
         c.close()
@@ -111,14 +109,14 @@ def test_full_cache_dir_serves_without_the_cache_and_warns_once(tmp_path, caplog
 def test_corrupt_pack_is_never_served(cfg):
     lay = RowLayout(64, 32)
     c = ExpertPackCache(cfg, "ckpt-a", lay, 1, 4)
-    c.write_layer(0, sections(lay, 4, 0))
+    c.write_rows(0, rows(lay, 4, 0))
     c.close()
     pack = next(p for p in (c.directory).glob("*.pack"))
     data = bytearray(pack.read_bytes())
     data[100] ^= 0xFF
     pack.write_bytes(bytes(data))
     again = ExpertPackCache(cfg, "ckpt-a", lay, 1, 4)
-    assert again.read_layer(0) is None  # checksum mismatch: re-quantize instead
+    assert again.read_rows(0) is None  # checksum mismatch: re-quantize instead
 
 
 def test_the_tiered_host_tiers_arena_follows_host_arena(cfg, monkeypatch):
@@ -129,7 +127,7 @@ def test_the_tiered_host_tiers_arena_follows_host_arena(cfg, monkeypatch):
     lay = RowLayout(64, 32)
     c = ExpertPackCache(cfg, "ckpt-a", lay, n_layers=3, n_experts=4)
     for layer in range(3):
-        c.write_layer(layer, sections(lay, 4, layer))
+        c.write_rows(layer, rows(lay, 4, layer))
     stride = c.spec.stride
     with c.open_store("tiered") as store:  # auto, with room for the whole pack
         assert store.arena_bytes == 12 * stride

@@ -3,7 +3,8 @@
     python vllm_driver.py MODEL OUT.json [--quantization moet] [--prompts-file PROMPTS.json]
 
 Greedy decoding of fixed token prompts (PROMPTS, or the token-id lists of --prompts-file; float32
-unless --dtype); writes {"tokens": [[...], ...], "kv_cache_tokens": n, "init_seconds": s, ...}.
+unless --dtype; eager unless --graphs); writes {"tokens": [[...], ...], "logprobs": [[...], ...]
+(of each generated token), "kv_cache_tokens": n, "init_seconds": s, ...}.
 vLLM spawns processes, so this runs as a script, never imported by pytest.
 """
 
@@ -39,6 +40,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="more: seeded random ones")
     ap.add_argument("--prompts-file", help="a JSON list of token-id lists (instead of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    ap.add_argument("--max-model-len", type=int, default=128)
+    ap.add_argument(
+        "--prompt-logprobs",
+        action="store_true",
+        help="teacher forcing: one generated token, and each prompt position's top-2 "
+        "(token, logprob) as 'prompt_top2'",
+    )
+    ap.add_argument(
+        "--graphs",
+        type=int,
+        nargs="*",
+        default=None,
+        help="CUDA graphs on (vLLM's default compilation), captured at these batch sizes "
+        "(none given: vLLM's default sizes); without the flag: enforce_eager",
+    )
     ap.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -72,8 +88,9 @@ def main() -> None:
         model=args.model,
         skip_tokenizer_init=True,
         dtype=args.dtype,
-        enforce_eager=True,
-        max_model_len=128,
+        enforce_eager=args.graphs is None,
+        **({"compilation_config": {"cudagraph_capture_sizes": args.graphs}} if args.graphs else {}),
+        max_model_len=args.max_model_len,
         seed=0,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
         **(
@@ -92,26 +109,51 @@ def main() -> None:
     )
     init = time.perf_counter() - t0
     sp = SamplingParams(
-        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False
+        temperature=0.0,
+        max_tokens=1 if args.prompt_logprobs else args.max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        logprobs=1,
+        prompt_logprobs=2 if args.prompt_logprobs else None,
     )
     t1 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in todo], sp)
     generate = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    prompt_top2 = [  # per prompt position after the first: [[token, logprob] of rank 1, of rank 2]
+        [
+            [[t, lp.logprob] for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank)
+             if lp.rank in (1, 2)]
+            for pos in o.prompt_logprobs[1:]
+        ]
+        for o in outs
+        if o.prompt_logprobs
+    ]  # fmt: skip
+    logprobs = [  # of the sampled token, as vLLM computed it
+        [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+        for o in outs
+    ]
     spec_counters = {}
     if args.mtp:  # drafts and accepted draft tokens, from vLLM's own metrics
         for m in llm.get_metrics():
             if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
                 spec_counters[m.name] = m.value
     cache = llm.llm_engine.vllm_config.cache_config  # as the engine core sized it
+    from moet_vllm.residency import metrics
+
+    published = metrics.run_dir() and metrics.run_dir() / "rank0.json"  # tiered residency only
+    residency = json.loads(published.read_text()) if published and published.is_file() else None
     with open(args.out, "w") as f:
         json.dump(
             {
                 "tokens": tokens,
+                "logprobs": logprobs,
+                "prompt_top2": prompt_top2,
                 "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
                 "init_seconds": init,
                 "generate_seconds": generate,
                 "spec_decode": spec_counters,
+                "residency": residency,
             },
             f,
         )

@@ -40,6 +40,8 @@ OUT_KERNELS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32
 
 @dataclass
 class _Workspace:
+    """One batch shape's buffers: views of its `_Arena`, so their addresses stay fixed."""
+
     ids: torch.Tensor
     weights: torch.Tensor
     xq: torch.Tensor
@@ -56,7 +58,64 @@ class _Workspace:
     max_jobs: int
 
 
-_workspaces: dict[tuple, _Workspace] = {}  # per (device, batch shape): fixed addresses
+class _Arena:
+    """The flat buffers every batch size of one layer shape shares (per device, top-k, hidden,
+    inter, experts): sized for `tokens`, the largest batch so far, so GPU memory stays bounded
+    whatever mix of batch sizes arrives. A batch's `_Workspace` is a set of views of them."""
+
+    def __init__(self, dev, tokens: int, top_k: int, lay, n_experts: int):
+        self.tokens = tokens
+        self.captured = False  # a CUDA graph holds these addresses: never free them
+        pairs = tokens * top_k
+        jobs = -(-pairs // TOK) + min(n_experts, pairs)  # the most jobs: decode jobs of 8 pairs
+
+        def z(n, dtype):
+            return torch.zeros(n, dtype=dtype, device=dev)
+
+        self.ids = z(pairs, torch.int32)
+        self.weights = z(pairs, torch.float32)
+        self.xq = z(tokens * lay.hidden_p, torch.int8)
+        self.xs = z(tokens * (lay.hidden_p // CHUNK), torch.float32)
+        self.n_jobs = z(3, torch.int32)  # {0, FP4-tier jobs, all jobs}
+        self.job_slot = z(jobs, torch.int32)
+        # either job size: (ceil(P / t) + min(E, P)) * t <= P + t + t * E
+        self.job_pairs = z(pairs + PREFILL_JOB * (1 + n_experts), torch.int32)
+        self.pair_ok = z(pairs, torch.uint8)
+        self.h = z(pairs * lay.inter_p, torch.float32)  # columns past inter are never read
+        self.aq = z(pairs * lay.inter_p, torch.int8)
+        self.as_ = z(pairs * (lay.inter_p // CHUNK), torch.float32)
+        self.y = z(pairs * lay.hidden, torch.float32)
+
+    def view(self, n_tok: int, top_k: int, lay, job_tok: int, max_jobs: int) -> _Workspace:
+        pairs = n_tok * top_k
+
+        def v(buf, *shape):
+            n = 1
+            for d in shape:
+                n *= d
+            return buf[:n].view(*shape)
+
+        return _Workspace(
+            ids=v(self.ids, n_tok, top_k),
+            weights=v(self.weights, n_tok, top_k),
+            xq=v(self.xq, n_tok, lay.hidden_p),
+            xs=v(self.xs, n_tok, lay.hidden_p // CHUNK),
+            n_jobs=self.n_jobs,
+            job_slot=v(self.job_slot, max_jobs),
+            job_pairs=v(self.job_pairs, max_jobs, job_tok),
+            pair_ok=v(self.pair_ok, pairs),
+            h=v(self.h, pairs, lay.inter_p),
+            aq=v(self.aq, pairs, lay.inter_p),
+            as_=v(self.as_, pairs, lay.inter_p // CHUNK),
+            y=v(self.y, pairs, lay.hidden),
+            job_tok=job_tok,
+            max_jobs=max_jobs,
+        )
+
+
+_arenas: dict[tuple, _Arena] = {}  # per (device, top-k, layer shape): the shared buffers
+_retired: list[_Arena] = []  # outgrown arenas a captured CUDA graph still reads
+_workspaces: dict[tuple, _Workspace] = {}  # per batch shape (workspace_key): views of its arena
 _noted_fallback = False
 
 
@@ -86,40 +145,33 @@ def workspace_key(dev, n_tok: int, top_k: int, lay, n_experts: int, job_tok: int
 
 
 def _workspace(dev, n_tok: int, top_k: int, tiers, n_experts: int) -> _Workspace:
-    """The fixed buffers of one batch shape and job size (tiers: [(pool, slot_table, layout)])."""
+    """The fixed buffers of one batch shape and job size (tiers: [(pool, slot_table, layout)]):
+    views of the layer shape's arena, which grows (outside a capture) to the largest batch."""
     lay = tiers[-1][2]
     job_tok = job_size(n_tok * top_k, n_experts, [tl.tier.name for _, _, tl in tiers])
     key = workspace_key(dev, n_tok, top_k, lay, n_experts, job_tok)
+    capturing = torch.cuda.is_current_stream_capturing()
     ws = _workspaces.get(key)
     if ws is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"moet::w2_moe_slots: no buffers for {n_tok} tokens yet; run the op once "
-                "eagerly with this batch size before capturing a CUDA graph"
-            )
+        shape = (dev, top_k, lay.hidden, lay.inter, n_experts)
+        arena = _arenas.get(shape)
+        if arena is None or arena.tokens < n_tok:
+            if capturing:
+                raise RuntimeError(
+                    f"moet::w2_moe_slots: no buffers for {n_tok} tokens yet; run the op once "
+                    "eagerly with this batch size (or a larger one) before capturing a CUDA graph"
+                )
+            if arena is not None:  # outgrown: its views go; a graph may still read it
+                if arena.captured:
+                    _retired.append(arena)
+                for k in [k for k in _workspaces if k[0] == dev and k[2:6] == shape[1:]]:
+                    del _workspaces[k]
+            arena = _arenas[shape] = _Arena(dev, n_tok, top_k, lay, n_experts)
         pairs = n_tok * top_k
         max_jobs = -(-pairs // job_tok) + min(n_experts, pairs)
-
-        def z(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, device=dev)
-
-        ws = _Workspace(
-            ids=z(n_tok, top_k, dtype=torch.int32),
-            weights=z(n_tok, top_k, dtype=torch.float32),
-            xq=z(n_tok, lay.hidden_p, dtype=torch.int8),
-            xs=z(n_tok, lay.hidden_p // CHUNK, dtype=torch.float32),
-            n_jobs=z(3, dtype=torch.int32),  # {0, FP4-tier jobs, all jobs}
-            job_slot=z(max_jobs, dtype=torch.int32),
-            job_pairs=z(max_jobs, job_tok, dtype=torch.int32),
-            pair_ok=z(pairs, dtype=torch.uint8),
-            h=z(pairs, lay.inter_p, dtype=torch.float32),  # columns past inter are never read
-            aq=z(pairs, lay.inter_p, dtype=torch.int8),
-            as_=z(pairs, lay.inter_p // CHUNK, dtype=torch.float32),
-            y=z(pairs, lay.hidden, dtype=torch.float32),
-            job_tok=job_tok,
-            max_jobs=max_jobs,
-        )
-        _workspaces[key] = ws
+        ws = _workspaces[key] = arena.view(n_tok, top_k, lay, job_tok, max_jobs)
+    if capturing:
+        _arenas[(dev, top_k, lay.hidden, lay.inter, n_experts)].captured = True
     return ws
 
 

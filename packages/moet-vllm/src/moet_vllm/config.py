@@ -37,7 +37,7 @@ class MoetConfig:
     mode: str = "reference"
     fp4_tier: str = "none"
     # -- how they are computed and cached --
-    compute: str = "auto"  # auto/exact: the exact torch reference (kernels: a later version)
+    compute: str = "auto"  # auto: moet-kernels where they run, else the torch reference
     dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load
     pack_cache: bool = True  # persistent quantization cache (moet-store packs)
     cache_dir: str | None = None  # default: $XDG_CACHE_HOME/moet
@@ -51,7 +51,9 @@ class MoetConfig:
     max_replays: int = 4  # replays per step (second-order misses) before the step fails
     kpi_every: int = 100  # steps between KPI log lines (0: off)
     below_floor_ok: bool = False  # consent to a pool below the boot floor (replays every step)
-    predict: bool = True  # fetch the experts a decode step's tokens are predicted to route first
+    # fetch the experts a decode step's tokens are predicted to route first; auto: with the torch
+    # reference only (under the kernels its host work and extra rows cost more than it saves)
+    predict: bool | str = "auto"
     # -- checkpoint metadata (read from the checkpoint, never set by users) --
     modules_not_converted: tuple[str, ...] = ()
     source_format: str | None = None
@@ -65,7 +67,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "zero_mode": w2.ZERO_MODES,
     "mode": w2.MODES,
     "fp4_tier": FP4_TIERS,
-    "compute": ("auto", "exact", "kernel"),
+    "compute": ("auto", "kernel", "exact", "oracle"),
     "dense": ("auto", "checkpoint", "dequantize"),
     "host_tier": ("ram", "pagecache", "tiered"),
     "miss_mode": ("strict", "approximate"),
@@ -160,6 +162,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             raise bad(('"auto" or ' if name == "host_arena" else "") + "a size in GiB (>= 0)")
         return gib if name == "pool_reserve_gib" else text
     if name in ("pack_cache", "below_floor_ok", "predict"):
+        if name == "predict" and value == "auto":
+            return value
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
@@ -167,7 +171,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise bad("a boolean (1/0, true/false)")
+        raise bad("a boolean (1/0, true/false)" + (' or "auto"' if name == "predict" else ""))
     if name == "cache_dir":
         if value is None or (isinstance(value, str) and value):
             return value
@@ -276,12 +280,6 @@ def _check_combinations(cfg: MoetConfig) -> None:
                 f"the GPU kernels are unavailable ({reason}); use compute='auto' "
                 "or 'exact'"
             )
-        raise MoetConfigError(
-            f"{cfg.sources.get('compute', 'config')}: compute='kernel': moet-kernels runs on "
-            "this GPU, but this moet-vllm serves routed experts with the torch reference (vLLM "
-            "serving through the kernels comes in a later version, docs/kernels.md); use "
-            "compute='auto' or 'exact'"
-        )
     if cfg.mode == "optimal" and cfg.format != w2.FORMAT:
         raise MoetConfigError(f"mode 'optimal' needs format {w2.FORMAT}, found {cfg.format}")
     where = cfg.sources.get

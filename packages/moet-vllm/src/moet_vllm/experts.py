@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moet_kernels.layout import RowLayout
+from moet_kernels.layout import NativeRowLayout, RowLayout
 from moet_quant import w2
 from moet_quant.arch import classify, family_for
 from moet_quant.checkpoint import (
@@ -107,9 +107,11 @@ class ExpertSource(ABC):
         cls = MoetCheckpointSource if qc.get("quant_method") == "moet" else OfficialSource
         return cls(path, cfg, tp_rank, tp_size)
 
-    @property
-    def layout(self) -> RowLayout:
-        return RowLayout(self.hidden, self.inter // self.tp_size)
+    def row_layout(self, native: bool) -> RowLayout | NativeRowLayout:
+        """This rank's expert rows: the kernels' native layout (`native`, what GPU slots hold),
+        or the logical one (the torch reference's)."""
+        cls = NativeRowLayout if native else RowLayout
+        return cls(self.hidden, self.inter // self.tp_size)
 
     @abstractmethod
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:

@@ -1,7 +1,9 @@
 """The persistent quantization cache: a model's W2 expert rows in moet-store packs.
 
 The first boot quantizes experts and writes each MoE layer's rows (one row per expert of this
-rank, `moet_kernels.layout.RowLayout`); later boots read them and skip re-quantization. A pack is
+rank, in the layout its compute path reads: `moet_kernels.layout.NativeRowLayout` for the GPU
+kernels, `RowLayout` for the torch reference); later boots read them and skip re-quantization. A
+pack is
 keyed by an identity that changes with the checkpoint (`ckpt_id`), the format, layout and row
 sections (the ABI string), the quantizer's settings and the TP size, so a stale pack is never
 served (moet-store rebuilds it). When the cache cannot be used (disabled, an unresolvable
@@ -17,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import moet_store
-from moet_kernels.layout import LAYOUT_ID, RowLayout
+from moet_kernels.layout import NativeRowLayout, RowLayout
 
 from .config import MoetConfig
 from .residency.sizing import arena_bytes
@@ -26,9 +28,10 @@ log = logging.getLogger(__name__)
 TAG = "w2"
 
 
-def abi_string(cfg: MoetConfig, layout: RowLayout) -> str:
-    """`<format>+<layout>+<row sections>` (design.md, Identity and ABI)."""
-    return f"{cfg.format}+{LAYOUT_ID}+{layout.spec}"
+def abi_string(cfg: MoetConfig, layout: RowLayout | NativeRowLayout) -> str:
+    """`<format>+<layout>+<row sections>` (design.md, Identity and ABI): packs of another row
+    layout have another identity, so they are rebuilt, never misread."""
+    return f"{cfg.format}+{layout.layout_id}+{layout.spec}"
 
 
 class ExpertPackCache:
@@ -36,7 +39,7 @@ class ExpertPackCache:
         self,
         cfg: MoetConfig,
         ckpt_id: str | None,
-        layout: RowLayout,
+        layout: RowLayout | NativeRowLayout,
         n_layers: int,
         n_experts: int,
         tp_rank: int = 0,
@@ -86,8 +89,9 @@ class ExpertPackCache:
                 self._cached = set()
         return self._cached
 
-    def read_layer(self, layer: int) -> dict[str, np.ndarray] | None:
-        """This rank's four expert sections of `layer` [E, ...] (copies), or None if not cached."""
+    def read_rows(self, layer: int) -> np.ndarray | None:
+        """This rank's expert rows of `layer` uint8 [E, row_bytes] (a copy), or None if not
+        cached."""
         if not self.enabled or layer not in self.cached_layers():
             return None
         try:
@@ -100,19 +104,23 @@ class ExpertPackCache:
                 )
             keys = [(layer, e) for e in range(self.spec.n_experts)]
             with self._store.fetch(keys) as batch:
-                rows = np.stack([np.frombuffer(v, dtype=np.uint8) for v in batch.views])
-                return {k: v.copy() for k, v in self.layout.unpack(rows).items()}
+                rows = [
+                    np.frombuffer(v, dtype=np.uint8)[: self.layout.row_bytes] for v in batch.views
+                ]
+                return np.stack(rows)
         except (OSError, moet_store.StoreError) as e:
             log.warning("moet: cached experts of layer %d unreadable (%s); re-quantizing", layer, e)
             return None
 
-    def write_layer(self, layer: int, sections: dict[str, np.ndarray]) -> None:
+    def write_rows(self, layer: int, rows: np.ndarray) -> None:
+        """Store `layer`'s rows uint8 [E, row_bytes]; a cache that cannot be written turns off
+        for this boot (one warning), never failing the load."""
         if not self.enabled:
             return
         try:
             if self._writer is None:
                 self._writer = moet_store.open_pack_for_write(self.directory, self.spec)
-            self._writer.write_layer(layer, self.layout.pack(**sections))
+            self._writer.write_layer(layer, rows)
             self.cached_layers().add(layer)
         except OSError as e:  # moet_store.StoreError is an OSError: unwritable, full, ...
             self._disable(str(e))

@@ -3,10 +3,10 @@
 vLLM calls every general plugin's function in each of its processes (API server, engine core,
 workers), possibly more than once, so `register()` is idempotent.
 
-What it does: checks the installed vLLM against `compat.SUPPORTED` (raising `MoetVllmError`
-outside it) and registers the "moet" quantization method (`vllm_method.MoetQuantConfig`). A model
-without a moet `quantization_config` and without `--quantization moet` never reaches moet code, so
-it serves exactly as without the plugin. It also names the directory through which workers
+What it does: checks the installed vLLM against `compat.SUPPORTED`, the versions tested for its
+distribution (raising `MoetVllmError` for any other), and registers the "moet" quantization
+method (`method.MoetQuantConfig`). A model without a moet `quantization_config` and without
+`--quantization moet` never reaches moet code, so it serves exactly as without the plugin. It also names the directory through which workers
 report tiered-residency counters to `/metrics` (residency/metrics.py); the runner hook for
 miss/replay is installed when a model is loaded with tiered residency.
 """
@@ -35,13 +35,13 @@ def register() -> None:
             logger.info("moet-vllm %s: vLLM is not installed; nothing to register", __version__)
         else:
             dist, version = found
-            compat.check_vllm_version(version)
+            compat.check_vllm_version(version, dist)
             from vllm.model_executor.layers.quantization import (
                 QUANTIZATION_METHODS,
                 register_quantization_config,
             )
 
-            from .vllm_method import MoetQuantConfig
+            from .method import MoetQuantConfig
 
             if "moet" not in QUANTIZATION_METHODS:
                 register_quantization_config("moet")(MoetQuantConfig)
@@ -52,7 +52,7 @@ def register() -> None:
                 __version__,
                 dist,
                 version,
-                compat.SUPPORTED,
+                dist + compat.SUPPORTED[dist],
             )
         _registered = True
 

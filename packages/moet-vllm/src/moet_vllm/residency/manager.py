@@ -26,6 +26,7 @@ pinned resident, outside the policy's pool.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -58,6 +59,8 @@ class AutoPool:
     reserve_bytes: int  # memory left free (pool_reserve_gib)
     floor: int  # the boot floor, in slots
     below_floor_ok: bool
+    slots: int | None = None  # CUDA: planned from vLLM's KV budget (carve_auto_pool)
+    free_bytes: int = 0  # that budget
 
 
 def active() -> ResidencyManager | None:
@@ -117,6 +120,15 @@ class ResidencyManager:
         self.streaming = False  # this forward stages what the pool cannot hold, layer by layer
         self.miss_count = torch.zeros(1, dtype=torch.int32, device=device)
         self.routed = torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, device=device)
+        # the real rows of the pass, read by the route op on the device (a captured graph reads
+        # the value written before each replay, never the one seen at capture)
+        self.n_real = torch.zeros(1, dtype=torch.int32, device=device)
+        # what a pass's one sync brings back: the miss count and the routed mask, together
+        pin = self.device.type == "cuda"
+        self._host_miss = torch.zeros(1, dtype=torch.int32, pin_memory=pin)
+        self._host_routed = torch.zeros(
+            len(self.moe_layers), n_experts, dtype=torch.uint8, pin_memory=pin
+        )
         self._token_ids: np.ndarray | None = None  # the step's input tokens, when predicting
         self.route_ids: torch.Tensor | None = None  # sized by the largest eager pass (_record)
         self.miss_mode, self.miss_tolerance = miss_mode, miss_tolerance
@@ -300,18 +312,29 @@ class ResidencyManager:
         self.apply(plan)
         return len(plan.fetch_keys)
 
-    def _routed_keys(self) -> np.ndarray:
-        routed = self.routed.cpu().numpy()[self.tiered]
-        o, e = np.nonzero(routed)
-        return o.astype(np.int64) * self.n_experts + e
+    def _read_counters(self) -> tuple[int, np.ndarray]:
+        """After a pass: (its miss count, the flat keys of every tiered expert it routed), in one
+        device-to-host sync (both copied into pinned memory, then the stream waited for)."""
+        if self.device.type == "cuda":
+            self._host_miss.copy_(self.miss_count, non_blocking=True)
+            self._host_routed.copy_(self.routed, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        else:
+            self._host_miss.copy_(self.miss_count)
+            self._host_routed.copy_(self.routed)
+        o, e = np.nonzero(self._host_routed.numpy()[self.tiered])
+        return int(self._host_miss[0]), o.astype(np.int64) * self.n_experts + e
 
     # -- the runner hook --
 
     def run_forward(self, forward, scan: bool = False, n_real: int | None = None, token_ids=None):
-        """Run `forward()` (one model forward pass) until every expert it routes is resident.
-        `n_real`: rows of the batch that are real tokens (padding never counts a miss);
-        `token_ids`: the batch's input token ids (int [tokens]; None: no prediction)."""
+        """Run `forward()` (one model forward pass) until every expert it routes is resident;
+        a replay that stages the overflow of a step larger than the pool runs
+        `forward(eager=True)` (outside any CUDA graph: the staging is Python). `n_real`: rows
+        of the batch that are real tokens (padding never counts a miss); `token_ids`: the
+        batch's input token ids (int [tokens]; None: no prediction)."""
         self.n_real_tokens = n_real
+        self.n_real.fill_(2**31 - 1 if n_real is None else n_real)
         self._apply_tuning()
         c = self.counters
         missed_first = 0
@@ -331,10 +354,9 @@ class ResidencyManager:
         for attempt in range(self.max_replays + 1):
             self.miss_count.zero_()
             self.routed.zero_()
-            out = forward()
-            local = int(self.miss_count.item())  # the one sync of a step
+            out = forward(eager=True) if self.streaming else forward()
+            local, keys = self._read_counters()  # the one sync of a pass
             missed = self.reduce_max(local)  # every TP rank replays, or none does
-            keys = self._routed_keys()
             if attempt == 0:
                 missed_first = local
             if missed == 0:
@@ -517,25 +539,46 @@ def activate(manager: ResidencyManager) -> None:
     )
 
 
+def carve_auto_pool(worker, available: int) -> int:
+    """CUDA, `gpu_pool=auto`: plan the pool from vLLM's KV budget (`available` bytes, after its
+    profiling and CUDA-graph estimate) less the reserve, which the KV cache keeps at least;
+    -> the bytes the pool takes out of that budget (compat touch point 9). The pool is allocated
+    by `size_auto_pool`, before any graph is captured."""
+    mgr = _active
+    if mgr is None or mgr.auto is None:
+        return 0
+    n_keys = len(mgr.tiered) * mgr.n_experts
+    row = mgr.layout.row_bytes
+    a = mgr.auto
+    n = sizing.auto_slots(
+        available, a.reserve_bytes, row, mgr.n_slots, n_keys, a.floor, a.below_floor_ok
+    )
+    mgr.auto = dataclasses.replace(a, slots=n, free_bytes=available)
+    return (n - mgr.n_slots) * row
+
+
 def size_auto_pool(worker=None) -> None:
-    """`gpu_pool=auto`: the pool takes the memory left once the KV cache is allocated, less the
-    reserve, before any CUDA graph is captured (compat touch point 8; runs once)."""
+    """`gpu_pool=auto`: the pool takes its planned share of vLLM's KV budget (CUDA,
+    `carve_auto_pool`), or on CPU the memory left once the KV cache is allocated less the
+    reserve; before any CUDA graph is captured (compat touch point 8; runs once)."""
     mgr = _active
     if mgr is None or mgr.auto is None:
         return
     auto, mgr.auto = mgr.auto, None
-    free = sizing.free_bytes(mgr.device)
-    n_keys = len(mgr.tiered) * mgr.n_experts
-    row = mgr.layout.row_bytes
-    n = sizing.auto_slots(
-        free, auto.reserve_bytes, row, mgr.n_slots, n_keys, auto.floor, auto.below_floor_ok
-    )
+    n, free = auto.slots, auto.free_bytes
+    if n is None:
+        free = sizing.free_bytes(mgr.device)
+        n_keys = len(mgr.tiered) * mgr.n_experts
+        row = mgr.layout.row_bytes
+        n = sizing.auto_slots(
+            free, auto.reserve_bytes, row, mgr.n_slots, n_keys, auto.floor, auto.below_floor_ok
+        )
     loaded = mgr.resize(n)
     log.info(
-        "moet: gpu_pool=auto: %.2f GiB free after the KV cache, %.2f GiB kept free "
-        "(pool_reserve_gib): %d expert slots (pool coverage %.1f%%, %.1f MB); warm start: %d "
-        "experts preloaded",
+        "moet: gpu_pool=auto: %.2f GiB %s, %.2f GiB kept for it (pool_reserve_gib): %d expert "
+        "slots (pool coverage %.1f%%, %.1f MB); warm start: %d experts preloaded",
         free / sizing.GIB,
+        "free after the KV cache" if auto.slots is None else "of vLLM's KV budget",
         auto.reserve_bytes / sizing.GIB,
         n,
         100 * mgr.coverage,

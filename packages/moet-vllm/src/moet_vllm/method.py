@@ -1,7 +1,9 @@
 """The "moet" quantization method inside vLLM: W2 routed experts, everything else untouched.
 
 Imported by `plugin.register()` only when vLLM is installed. The classes live at module level
-because vLLM pickles its configuration (quantization config included) into the engine process.
+because vLLM pickles its configuration (quantization config included) into the engine process;
+their constructors only record what they are given. Loading (expert sources, pack cache) is in
+`loading.py`, the start of tiered residency in `residency/boot.py`.
 
 Where the experts come from:
 * a **moet checkpoint** (`moet convert`): its `.w2_codes` / `.w2_scales` tensors stream through
@@ -9,24 +11,31 @@ Where the experts come from:
   `w13_w2_scales` [E, 2I, H/32], `w2_w2_codes` [E, H, I/4], `w2_w2_scales` [E, H, I/32]: vLLM's
   expert mapping names them `w13_`/`w2_` + the checkpoint suffix), TP-sliced by vLLM's helpers;
 * an **official checkpoint** with `--quantization moet`: vLLM skips the expert tensors, and after
-  loading each MoE layer reads its experts through `experts.ExpertSource` (exact re-quantization
-  by moet-quant), or from the persistent pack cache when an earlier boot wrote it.
+  loading each MoE layer reads its experts through `loading.MoetLoadSession` (exact
+  re-quantization by moet-quant), or from the persistent pack cache when an earlier boot wrote it.
 
-Routing and compute (monolithic): `apply_monolithic` receives the router logits, routes with
-moet-kernels' `route_reference` and runs its torch MoE reference in `exact` mode (the CPU path
-and the GPU kernels' oracle).
+Compute (`MoetConfig.compute`, resolved per worker on the layers' device by `compute_path`):
+* `kernel` (what `auto` picks on a GPU with moet-kernels' cubins): each layer's experts are one
+  pool of rows in the kernels' native layout (packed at load on the device) with an identity slot
+  table, served by `moet_kernels.ops.w2_moe_slots`, the same op and layout tiered residency uses.
+  The op is capture-safe: no host sync, fixed buffers, the real-token count a device scalar, so
+  vLLM captures it in its CUDA graphs.
+* `exact` (what `auto` picks elsewhere) and `oracle`: moet-kernels' torch reference over the
+  logical parameters, in `exact` mode (activations unquantized; the CPU path) or in `kernel` mode
+  (the kernels' int8 activations, float64 GEMMs: their oracle). Both sync with the host, so on a
+  GPU they need eager mode.
 
-Tiered residency (`MoetConfig.gpu_pool` other than "all"): the layers hold no expert parameters;
-every MoE layer's experts reach moet-store packs at load, and `apply_monolithic` reads them from
-the residency manager's pool of slots through its slot table (residency/manager.py), counting
-misses that the runner hook (compat point 7) fetches and replays.
+Routing (monolithic): `apply_monolithic` receives the router logits and routes with
+`route_reference` (torch ops only, capturable). Under tiered residency (`gpu_pool` other than
+"all") the layers hold no expert parameters: every MoE layer's experts reach moet-store packs at
+load, and the layers read them from the residency manager's pool through its slot table
+(residency/manager.py), counting misses that the runner hook (compat point 7) fetches and replays.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-import time
 from typing import Any
 
 import torch
@@ -39,6 +48,8 @@ from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMetho
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 from vllm.model_executor.utils import set_weight_attrs
 
+from moet_kernels.loader import arch_of, kernels_available, load
+from moet_kernels.ops import w2_moe_slots
 from moet_kernels.reference import (
     Routing,
     route_reference,
@@ -50,21 +61,20 @@ from moet_quant.checkpoint import text_config
 
 from . import compat
 from .compat import MoetVllmError
-from .config import MoetConfig, pool_slots, resolve
+from .config import MoetConfig, resolve
 from .dense import DenseDequantizer, dense_method
-from .experts import ExpertSource, OfficialSource
-from .packcache import ExpertPackCache
+from .loading import MoetLoadSession, pack_native
 from .residency import manager as residency
-from .residency.manager import MoetResidencyError, ResidencyManager
-from .residency.sizing import GIB, boot_floor
+from .residency.boot import start_residency
 
 log = logging.getLogger("vllm.moet")
-PARAMS = {  # RowLayout section -> parameter name
+PARAMS = {  # a row's logical section -> the layer parameter holding it
     "w13_codes": "w13_w2_codes",
     "w13_scales": "w13_w2_scales",
     "w2_codes": "w2_w2_codes",
     "w2_scales": "w2_w2_scales",
 }
+REFERENCE_MODES = {"exact": "exact", "oracle": "kernel"}  # compute -> the reference's mode
 
 
 def _layer_index(name: str) -> int:
@@ -74,86 +84,28 @@ def _layer_index(name: str) -> int:
     return int(m.group(1))
 
 
-class MoetLoadSession:
-    """Per worker process: the expert source and pack cache shared by all MoE layers."""
+class _Resident:
+    """One layer's experts for the kernels with every expert resident: a pool of native rows and
+    the identity slot table; the miss counter and routed mask are shared write-only sinks."""
 
-    def __init__(self, cfg: MoetConfig, model_path: str, tp_rank: int, tp_size: int):
-        self.cfg = cfg
-        self.source = ExpertSource.open(model_path, cfg, tp_rank, tp_size)
-        self.cache = ExpertPackCache(
-            cfg,
-            self.source.ckpt_id,
-            self.source.layout,
-            n_layers=len(self.source.moe_layers),
-            n_experts=self.source.n_experts,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-        self.pending = set(self.source.moe_layers)
-        self.from_pack = self.quantized = 0
-        self.seconds = 0.0
-        log.info(
-            "moet: experts of %s: %s (%s, %d MoE layers x %d experts); pack cache %s",
-            model_path,
-            self.source.kind,
-            self.source.source_format,
-            len(self.source.moe_layers),
-            self.source.n_experts,
-            self.cache.reason,
-        )
-
-    def sections(self, model_layer: int, keep: bool = True) -> dict | None:
-        """One MoE layer's expert sections, from the pack cache or the checkpoint (then written
-        to the cache). With `keep=False` (tiered residency) the layer only has to reach the
-        packs: a cached layer is not read back."""
-        t0 = time.perf_counter()
-        ordinal = self.source.moe_layers.index(model_layer)
-        secs = None
-        if keep:
-            secs = self.cache.read_layer(ordinal)
-        elif ordinal in self.cache.cached_layers():
-            secs = {}
-        if secs is None:
-            secs = self.source.layer(model_layer)
-            self.cache.write_layer(ordinal, secs)
-            self.quantized += 1
-            if not keep and not self.cache.enabled:
-                raise MoetResidencyError(
-                    f"moet: tiered residency (gpu_pool={self.cfg.gpu_pool!r}) serves experts "
-                    f"from the pack files, but the pack cache is off ({self.cache.reason}); "
-                    "give it a writable cache_dir with room for the experts, or gpu_pool='all'"
-                )
-        else:
-            self.from_pack += 1
-        self.seconds += time.perf_counter() - t0
-        self.pending.discard(model_layer)
-        if not self.pending:
-            log.info(
-                "moet: expert weights ready in %.2f s: %d layers %s, %d from the pack cache",
-                self.seconds,
-                self.quantized,
-                "re-quantized" if self.source.kind == OfficialSource.kind else "read as W2",
-                self.from_pack,
-            )
-        return secs if keep else None
-
-    @property
-    def done(self) -> bool:
-        return not self.pending
-
-    def close(self) -> None:
-        self.cache.close()
-        self.source.close()
+    def __init__(self, rows: torch.Tensor, sinks: tuple[torch.Tensor, ...]):
+        self.rows = rows
+        self.table = torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device)
+        self.n_real, self.miss_count, self.routed = sinks
 
 
 class MoetMoEMethod(FusedMoEMethodBase):
     """Routed experts as W2 codes and UE8M0 scales (see the module doc)."""
+
+    compute = "exact"  # resolved at load (MoetQuantConfig.compute_path)
+    resident: _Resident | None = None  # compute="kernel" with every expert resident
 
     def __init__(self, moe_config, quant_config: MoetQuantConfig, prefix: str):
         super().__init__(moe_config)
         self.quant_config = quant_config
         self.model_layer = _layer_index(prefix)
         self.routing: Routing | None = None  # from the layer, once it is loaded
+        self.hidden = self.inter = 0
 
     def create_weights(
         self,
@@ -172,6 +124,7 @@ class MoetMoEMethod(FusedMoEMethodBase):
                 f"{layer.layer_name}: hidden size {h} and per-rank expert "
                 f"intermediate size {i} must be multiples of 32 for W2"
             )
+        self.hidden, self.inter = h, i
         shapes = {
             "w13_w2_codes": (e, 2 * i, h // 4),
             "w13_w2_scales": (e, 2 * i, h // 32),
@@ -196,31 +149,48 @@ class MoetMoEMethod(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         self.routing = routing_of(layer)  # refused here, at load, if moet cannot route it
-        session = self.quant_config.load_session(layer)
-        if session is None:
-            return  # a moet checkpoint: the parameters were streamed in
-        if self.quant_config.tiered:
-            session.sections(self.model_layer, keep=False)  # into the packs, nothing resident
+        qc = self.quant_config
+        device = layer.w13_w2_codes.device
+        self.compute = qc.compute_path(device)
+        session = qc.load_session(layer, device)
+        if qc.tiered:
+            session.rows(self.model_layer, keep=False)  # into the packs, nothing resident
             if session.done:
-                self.quant_config.start_residency(session, layer)
+                qc.start_residency(session, layer, device)
             return
-        secs = session.sections(self.model_layer)
-        if session.done:
-            session.close()
-        with torch.no_grad():
-            for section, name in PARAMS.items():
-                param = getattr(layer, name)
-                src = torch.from_numpy(secs[section])
-                if tuple(src.shape) != tuple(param.shape):
-                    raise MoetVllmError(
-                        f"{layer.layer_name}.{name}: experts of the checkpoint "
-                        f"give {list(src.shape)}, the layer has "
-                        f"{list(param.shape)}"
-                    )
-                param.copy_(src)
+        params = {section: getattr(layer, name) for section, name in PARAMS.items()}
+        if session is not None:  # experts from the session: rows of the compute path's layout
+            rows = session.rows(self.model_layer)
+            if session.done:
+                session.close()
+            if self.compute == "kernel":
+                self._keep_rows(layer, rows, params)
+                return
+            secs = session.sections(rows)
+            with torch.no_grad():
+                for section, param in params.items():
+                    src = torch.from_numpy(secs[section])
+                    if tuple(src.shape) != tuple(param.shape):
+                        raise MoetVllmError(
+                            f"{layer.layer_name}.{PARAMS[section]}: experts of the checkpoint "
+                            f"give {list(src.shape)}, the layer has {list(param.shape)}"
+                        )
+                    param.copy_(src)
+            return
+        if self.compute == "kernel":  # a moet checkpoint: its logical tensors -> native rows
+            lay = qc.native_layout(self.hidden, self.inter)
+            with torch.no_grad():
+                rows = pack_native(lay, {k: p.data for k, p in params.items()}, device)
+            self._keep_rows(layer, rows, params)
 
-    # monolithic: moet owns routing and compute (the GPU route op will also write the miss counter
-    # of tiered residency), so vLLM hands over the router logits, not its top-k choice
+    def _keep_rows(self, layer, rows: torch.Tensor, params) -> None:
+        """Serve from native rows; the logical parameters give their memory back."""
+        self.resident = _Resident(rows, self.quant_config.sinks(rows.device, rows.shape[0]))
+        for p in params.values():
+            p.data = torch.empty(0, dtype=torch.uint8, device=rows.device)
+
+    # monolithic: moet owns routing and compute (the route op also writes the miss counter of
+    # tiered residency), so vLLM hands over the router logits, not its top-k choice
     @property
     def is_monolithic(self) -> bool:
         return True
@@ -229,25 +199,31 @@ class MoetMoEMethod(FusedMoEMethodBase):
         weights, ids = route_reference(router_logits, self.routing, layer.e_score_correction_bias)
         mgr = residency.active()
         if mgr is not None:
-            slot_table, routed = mgr.layer_tables(self.model_layer, ids)
+            table, routed = mgr.layer_tables(self.model_layer, ids)
+            if self.compute == "kernel":
+                return w2_moe_slots(
+                    x, ids, weights, mgr.pool, table, self.hidden, self.inter, mgr.n_real,
+                    mgr.miss_count, routed,
+                )  # fmt: skip
+            n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else x.shape[0]
             out = w2_moe_slots_reference(
-                x,
-                ids,
-                weights,
-                mgr.pool,
-                slot_table,
-                mgr.layout,
-                mgr.n_real_tokens if mgr.n_real_tokens is not None else x.shape[0],
-                mgr.miss_count,
-                routed,
-            )
+                x, ids, weights, mgr.pool, table, mgr.layout, n_real, mgr.miss_count, routed,
+                mode=REFERENCE_MODES[self.compute],
+            )  # fmt: skip
             return out.to(x.dtype)
+        if self.resident is not None:
+            r = self.resident
+            return w2_moe_slots(
+                x, ids, weights, r.rows, r.table, self.hidden, self.inter, r.n_real,
+                r.miss_count, r.routed,
+            )  # fmt: skip
         out = w2_moe_reference(
             x,
             ids,
             weights,
             (layer.w13_w2_codes, layer.w13_w2_scales),
             (layer.w2_w2_codes, layer.w2_w2_scales),
+            mode=REFERENCE_MODES[self.compute],
         )
         return out.to(x.dtype)
 
@@ -291,6 +267,9 @@ class MoetQuantConfig(QuantizationConfig):
         self.checkpoint_qc = dict(checkpoint_qc or {})
         self._cfg: MoetConfig | None = None
         self._session: MoetLoadSession | None = None
+        self._compute: str | None = None  # resolved on the layers' device (compute_path)
+        self._graphs = False  # vLLM captures CUDA graphs (set at boot)
+        self._sinks: tuple[torch.Tensor, ...] | None = None  # resident layers' counters
         # the checkpoint's own method for its quantized dense layers (MoetConfig.dense), built
         # now so that vLLM's model-structure updates below reach it too
         self.dense_qc = (
@@ -303,17 +282,11 @@ class MoetQuantConfig(QuantizationConfig):
         self._serving: tuple[int, int] | None = None  # (max_num_seqs, spec tokens): pool floor
         if dense_method(self.dense_qc):
             self.dense = compat.checkpoint_quant_config(self.dense_qc)
-        # before the model is built: vLLM binds each RoPE module's forward at construction
-        compat.fix_cpu_rope_for_3d_inputs()
 
-    def __getstate__(self):  # what travels to the engine process: never a live load session
+    def __getstate__(self):  # what travels to the engine process: never live load state
         state = dict(self.__dict__)
-        state["_session"] = None
+        state["_session"] = state["_sinks"] = None
         return state
-
-    def __setstate__(self, state):  # in the engine/worker process, before the model is built
-        self.__dict__.update(state)
-        compat.fix_cpu_rope_for_3d_inputs()
 
     # -- QuantizationConfig --
     def get_name(self) -> str:
@@ -355,6 +328,7 @@ class MoetQuantConfig(QuantizationConfig):
         # validated at boot, in the process that builds the model
         self.config(getattr(vllm_config, "additional_config", None), vllm_config.model_config)
         if isinstance(layer, RoutedExperts):
+            self._graphs = compat.captures_cuda_graphs(vllm_config)
             return MoetMoEMethod(layer.moe_config, self, prefix)
         if self.dense_policy == "checkpoint":
             self.dense.packed_modules_mapping = self.packed_modules_mapping
@@ -369,9 +343,11 @@ class MoetQuantConfig(QuantizationConfig):
         return self.checkpoint_qc.get("quant_method") == "moet"
 
     def config(self, additional_config: dict | None = None, model_config=None) -> MoetConfig:
-        """The resolved MoetConfig; the first call (at boot, with vLLM's --additional-config and
-        model config) fixes it and sets up the dense layers."""
+        """The resolved MoetConfig; the first call (at boot, in the process that builds the
+        model, before any of its modules exists) fixes it and installs moet's hooks."""
         if self._cfg is None:
+            # before the model is built: vLLM binds each RoPE module's forward at construction
+            compat.fix_cpu_rope_for_3d_inputs()
             if model_config is not None:  # an architecture moet cannot serve: refused at boot
                 hf = model_config.hf_config.to_dict()
                 family_for(text_config(hf), f"{model_config.model}/config.json")
@@ -386,7 +362,7 @@ class MoetQuantConfig(QuantizationConfig):
             self.dense_policy = self._dense_policy(cfg, model_config)
             origin = "a moet checkpoint" if self.is_moet_checkpoint else "re-quantization at load"
             log.info(
-                "moet: routed experts as %s from %s; compute: exact torch reference; %s",
+                "moet: routed experts as %s from %s; %s",
                 self._cfg.format,
                 origin,
                 f"tiered residency (gpu_pool={cfg.gpu_pool!r}, host tier {cfg.host_tier})"
@@ -394,6 +370,66 @@ class MoetQuantConfig(QuantizationConfig):
                 else "all experts resident",
             )
         return self._cfg
+
+    def compute_path(self, device: torch.device) -> str:
+        """`kernel`, `exact` or `oracle` for layers on `device` (MoetConfig.compute), decided
+        once per worker and said in one boot line; refused where it cannot run."""
+        if self._compute is not None:
+            return self._compute
+        want = self.config().compute
+        ok, why = kernels_available(device) if device.type == "cuda" else (False, "no GPU")
+        where = self._cfg.sources.get("compute", "the default compute='auto'")
+        if want == "kernel" and not ok:
+            raise MoetVllmError(
+                f"moet: compute='kernel' ({where}) but moet-kernels cannot run on {device}: "
+                f"{why}; use compute='auto' (the torch reference where the kernels cannot run)"
+            )
+        if want in ("auto", "kernel") and ok:
+            path = "kernel"
+        else:
+            path = "oracle" if want == "oracle" else "exact"
+        if path != "kernel" and device.type == "cuda" and self._graphs:
+            reason = f"moet-kernels cannot run here ({why})" if want == "auto" else f"{where}"
+            raise MoetVllmError(
+                f"moet: the routed experts would run the torch reference (compute={path!r}: "
+                f"{reason}), which syncs with the host and cannot be captured in a CUDA graph; "
+                "serve with --enforce-eager (enforce_eager=True), or compute='auto' on a GPU "
+                "moet-kernels supports"
+            )
+        self._compute = path
+        if path == "kernel":
+            load(device)  # every module loaded before vLLM captures a graph
+            log.info(
+                "moet: compute: moet-kernels (%s cubins%s) on %s, %s",
+                arch_of(device),
+                why,
+                device,
+                "captured in vLLM's CUDA graphs" if self._graphs else "eager (no CUDA graphs)",
+            )
+        else:
+            log.info(
+                "moet: compute: moet-kernels' torch reference in %s mode on %s (%s)",
+                REFERENCE_MODES[path],
+                device,
+                why if want == "auto" else f"compute={want!r}",
+            )
+        return path
+
+    def native_layout(self, hidden: int, inter: int):
+        from moet_kernels.ops import native_layout
+
+        return native_layout(hidden, inter)
+
+    def sinks(self, device: torch.device, n_experts: int) -> tuple[torch.Tensor, ...]:
+        """(n_real, miss_count, routed) that resident layers hand the op: never read."""
+        if self._sinks is None or self._sinks[2].numel() < n_experts:
+            self._sinks = (
+                torch.full((1,), 2**31 - 1, dtype=torch.int32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device),
+                torch.zeros(n_experts, dtype=torch.uint8, device=device),
+            )
+        n_real, miss, routed = self._sinks
+        return n_real, miss, routed[:n_experts]
 
     def _dense_policy(self, cfg: MoetConfig, model_config) -> str:
         """'checkpoint' or 'dequantize' for a checkpoint with quantized dense layers, else 'none'
@@ -430,51 +466,15 @@ class MoetQuantConfig(QuantizationConfig):
         """Tiered residency: experts live in a pool of slots, fetched from the packs on demand."""
         return self._cfg is not None and self._cfg.gpu_pool != "all"
 
-    def start_residency(self, session: MoetLoadSession, layer) -> None:
+    def start_residency(self, session: MoetLoadSession, layer, device: torch.device) -> None:
         """After the last MoE layer reached the packs: the pool, its host tier, the manager."""
-        cfg, src = self._cfg, session.source
-        mtp = src.mtp_layers
-        n_moe = len(src.moe_layers) - len(mtp)  # the tiered MoE layers (MTP's are pinned)
-        n_tiered_keys = n_moe * src.n_experts
-        max_num_seqs, num_spec = self._serving
-        floor = boot_floor(n_moe, layer.top_k, 1 + num_spec, max_num_seqs)
-        if cfg.gpu_pool == "auto":  # sized once the KV cache is allocated; until then one
-            n_slots = 1  # slot and the staging area serve vLLM's profiling passes (streamed)
-        else:
-            n_slots = pool_slots(cfg, n_tiered_keys) or n_tiered_keys
-            if n_slots < floor and not cfg.below_floor_ok:
-                raise MoetResidencyError(
-                    f"moet: gpu_pool={cfg.gpu_pool!r} gives {n_slots} expert slots, below the "
-                    f"boot floor of {floor} (1.15 x {n_moe} MoE layers x top-{layer.top_k} x "
-                    f"{1 + num_spec} tokens/step x min(max_num_seqs, 4)): set gpu_pool >= "
-                    f"{floor}, lower max_num_seqs, or accept replays on most steps with "
-                    "below_floor_ok=true"
-                )
-        store = session.cache.open_store(cfg.host_tier, cfg.host_arena)
-        mgr = ResidencyManager(
-            src.layout,
-            src.moe_layers,
-            src.n_experts,
-            n_slots,
-            store,
-            pinned_layers=mtp,
-            miss_mode=cfg.miss_mode,
-            miss_tolerance=cfg.miss_tolerance,
-            max_replays=cfg.max_replays,
-            kpi_every=cfg.kpi_every,
-            hot_path=session.cache.hot_path(),
-            predict=cfg.predict,
-            rank=layer.moe_config.tp_rank,
+        cfg = self._cfg
+        predict = cfg.predict if cfg.predict != "auto" else self._compute != "kernel"
+        start_residency(
+            cfg, session, layer.top_k, layer.moe_config.tp_rank, self._serving, device, predict
         )
-        if cfg.gpu_pool == "auto":
-            mgr.auto = residency.AutoPool(
-                int(cfg.pool_reserve_gib * GIB), floor, cfg.below_floor_ok
-            )
-            compat.before_warm_up(residency.size_auto_pool)
-        session.source.close()
-        residency.activate(mgr)
 
-    def load_session(self, layer) -> MoetLoadSession | None:
+    def load_session(self, layer, device: torch.device) -> MoetLoadSession | None:
         """The shared expert source for an official checkpoint, or any checkpoint under tiered
         residency (None for a moet checkpoint with every expert resident)."""
         if self.is_moet_checkpoint and not self.tiered:
@@ -484,5 +484,8 @@ class MoetQuantConfig(QuantizationConfig):
 
             model = get_current_vllm_config().model_config.model
             moe = layer.moe_config
-            self._session = MoetLoadSession(self.config(), model, moe.tp_rank, moe.tp_size)
+            native = self._compute == "kernel"
+            self._session = MoetLoadSession(
+                self.config(), model, moe.tp_rank, moe.tp_size, native, device
+            )
         return self._session

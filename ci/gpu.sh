@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The GPU test suite: every package's tests marked `gpu`, on a CUDA machine (the H200), in one
+# command. CI has no GPU and deselects them (`-m "not gpu"`); here a missing prerequisite fails.
+#
+# Needs vLLM 0.24 importable: on the H200 machine, stage it first (docs/vllm.md, "Serving on a
+# GPU": ../shared/gpu/vllm-0.24/, into ~/site, which this script puts on PYTHONPATH). The
+# project's packages are installed for this call only (moet-store and the sm_90a cubins are built
+# here, for this machine's Python). Writes under $OUT (default bench/results/gpu/out):
+# gpu-tests.log, junit.xml and summary.json (counts, GPU, driver, torch, vLLM, commit, command);
+# commit summary.json as bench/results/gpu/<gpu>-<date>.json. The tree travels without .git:
+#     MOET_COMMIT=<sha of the code under test> bash ci/gpu.sh [pytest args]
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+out=${OUT:-bench/results/gpu/out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+site=$(mktemp -d -t moet-site-XXXXXX)
+trap 'rm -rf "$site"' EXIT
+t0=$(date +%s)
+install() { python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target "$site" "$@"; }
+{ install ./packages/moet-quant ./packages/moet-store ./packages/moet-vllm &&
+  install --config-settings=cmake.define.MOET_KERNELS_ARCHS=90a ./packages/moet-kernels; } \
+  >"$out/install.log" 2>&1 || { tail -20 "$out/install.log"; echo "ci/gpu: install failed" >&2; exit 1; }
+echo "ci/gpu: packages installed in $(($(date +%s) - t0)) s"
+export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
+python3 bench/provenance.py bash ci/gpu.sh "$@" >"$out/provenance.json"
+t1=$(date +%s)
+python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --junitxml="$out/junit.xml" \
+  packages/moet-vllm/tests packages/moet-kernels/tests "$@" 2>&1 | tee "$out/gpu-tests.log"
+rc=${PIPESTATUS[0]}
+python3 ci/gpu_summary.py "$out/junit.xml" "$out/provenance.json" $(($(date +%s) - t1)) \
+  >"$out/summary.json"
+tail -n 12 "$out/summary.json"
+exit "$rc"

@@ -1,0 +1,139 @@
+"""Loading a model's routed experts in a vLLM worker: one `MoetLoadSession` per process.
+
+The session joins the expert source (`experts.ExpertSource`: a moet checkpoint, or an official
+one re-quantized exactly) and the persistent pack cache (`packcache.ExpertPackCache`), and hands
+each MoE layer its experts as rows in the layout its compute path reads (`row_layout`): the
+kernels' native layout on a GPU with moet-kernels, the logical layout for the torch reference.
+Rows of the native layout are packed on the layer's device (`pack_native`), which is what makes
+a moet checkpoint's logical tensors servable by the kernels at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from .config import MoetConfig
+from .experts import ExpertSource, OfficialSource
+from .packcache import ExpertPackCache
+from .residency.manager import MoetResidencyError
+
+log = logging.getLogger("vllm.moet")
+SECTIONS = ("w13_codes", "w13_scales", "w2_codes", "w2_scales")  # a W2 row's logical sections
+
+
+def pack_native(layout, sections: dict, device: torch.device) -> torch.Tensor:
+    """Logical W2 sections [E, ...] (numpy or tensors) -> native rows uint8 [E, row_bytes] on
+    `device` (the packing runs there: on a GPU it is a few kernels per layer)."""
+    tensors = {k: torch.as_tensor(sections[k]).to(device) for k in SECTIONS}
+    return layout.pack(**tensors)
+
+
+class MoetLoadSession:
+    """Per worker process: the expert source and pack cache shared by all MoE layers."""
+
+    def __init__(
+        self,
+        cfg: MoetConfig,
+        model_path: str,
+        tp_rank: int,
+        tp_size: int,
+        native: bool,
+        device: torch.device,
+    ):
+        self.cfg, self.native, self.device = cfg, native, device
+        self.source = ExpertSource.open(model_path, cfg, tp_rank, tp_size)
+        self.layout = self.source.row_layout(native)
+        self.cache = ExpertPackCache(
+            cfg,
+            self.source.ckpt_id,
+            self.layout,
+            n_layers=len(self.source.moe_layers),
+            n_experts=self.source.n_experts,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.pending = set(self.source.moe_layers)
+        self.from_pack = self.quantized = 0
+        self.seconds = self.pack_seconds = 0.0
+        log.info(
+            "moet: experts of %s: %s (%s, %d MoE layers x %d experts); %s rows; pack cache %s",
+            model_path,
+            self.source.kind,
+            self.source.source_format,
+            len(self.source.moe_layers),
+            self.source.n_experts,
+            "kernel-native" if native else "logical",
+            self.cache.reason,
+        )
+
+    def rows(self, model_layer: int, keep: bool = True) -> np.ndarray | torch.Tensor | None:
+        """One MoE layer's expert rows [E, row_bytes], from the pack cache or the checkpoint
+        (then written to the cache): a tensor on the session's device for native rows, numpy
+        for logical ones. With `keep=False` (tiered residency) the layer only has to reach the
+        packs: a cached layer is not read back, and None is returned."""
+        t0 = time.perf_counter()
+        ordinal = self.source.moe_layers.index(model_layer)
+        rows = None
+        if keep:
+            rows = self.cache.read_rows(ordinal)
+        elif ordinal in self.cache.cached_layers():
+            rows = np.zeros(0)
+        if rows is None:
+            secs = self.source.layer(model_layer)
+            rows = self._pack(secs)
+            self.cache.write_rows(
+                ordinal, rows if isinstance(rows, np.ndarray) else rows.cpu().numpy()
+            )
+            self.quantized += 1
+            if not keep and not self.cache.enabled:
+                raise MoetResidencyError(
+                    f"moet: tiered residency (gpu_pool={self.cfg.gpu_pool!r}) serves experts "
+                    f"from the pack files, but the pack cache is off ({self.cache.reason}); "
+                    "give it a writable cache_dir with room for the experts, or gpu_pool='all'"
+                )
+        else:
+            self.from_pack += 1
+        self.seconds += time.perf_counter() - t0
+        self.pending.discard(model_layer)
+        if not self.pending:
+            log.info(
+                "moet: expert weights ready in %.2f s: %d layers %s, %d from the pack cache%s",
+                self.seconds,
+                self.quantized,
+                "re-quantized" if self.source.kind == OfficialSource.kind else "read as W2",
+                self.from_pack,
+                f"; packing to the kernels' layout took {self.pack_seconds:.2f} s"
+                if self.native
+                else "",
+            )
+        if not keep:
+            return None
+        if self.native and isinstance(rows, np.ndarray):
+            rows = torch.from_numpy(rows).to(self.device)
+        return rows
+
+    def _pack(self, secs: dict) -> np.ndarray | torch.Tensor:
+        if not self.native:
+            return self.layout.pack(**secs)
+        t0 = time.perf_counter()
+        rows = pack_native(self.layout, secs, self.device)
+        if rows.is_cuda:
+            torch.cuda.synchronize(rows.device)
+        self.pack_seconds += time.perf_counter() - t0
+        return rows
+
+    def sections(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Logical rows -> their four sections [E, ...] (the torch reference's parameters)."""
+        return self.layout.unpack(rows)
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def close(self) -> None:
+        self.cache.close()
+        self.source.close()
