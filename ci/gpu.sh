@@ -25,9 +25,13 @@ install() { python3 -m pip install -q --no-build-isolation --no-deps --no-compil
 echo "ci/gpu: packages installed in $(($(date +%s) - t0)) s"
 export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
 python3 bench/provenance.py bash ci/gpu.sh "$@" >"$out/provenance.json"
+unset MOET_COMMIT  # provenance's, not a MoetConfig field: moet refuses unknown MOET_* variables
 t1=$(date +%s)
+# the GPU tests live in test_gpu_*.py; arguments naming test files replace them
+tests=(packages/moet-vllm/tests/test_gpu_*.py packages/moet-kernels/tests/test_gpu_*.py)
+for a in "$@"; do [[ $a == *.py* ]] && tests=(); done
 python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --junitxml="$out/junit.xml" \
-  packages/moet-vllm/tests packages/moet-kernels/tests "$@" 2>&1 | tee "$out/gpu-tests.log"
+  "${tests[@]}" "$@" 2>&1 | tee "$out/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_summary.py "$out/junit.xml" "$out/provenance.json" $(($(date +%s) - t1)) \
   >"$out/summary.json"

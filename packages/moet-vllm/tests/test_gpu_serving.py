@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from serving import FIXTURE, GPU_FLAGS, Server, convert_fixture, fixture_prompts, run_vllm
-from tiny_models import GLM_PARSER_FLAGS, WEATHER_CITIES, WEATHER_TOOL
+from tiny_models import GLM_PARSER_FLAGS, WEATHER_CITIES, WEATHER_TOOL, whitespace_token_ids
 
 from moet_vllm.residency.sizing import boot_floor
 
@@ -106,9 +106,13 @@ def test_vllm_serve_answers_chat_completion_and_a_tool_call_through_the_kernels(
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
             max_tokens=96,
             temperature=0,
+            # as in test_vllm_openai: without whitespace tokens the call's grammar is finite
+            logit_bias={str(i): -100 for i in whitespace_token_ids(model)},
             extra_body=no_thinking,
         )
-        (tool_call,) = call.choices[0].message.tool_calls
+        calls = call.choices[0].message.tool_calls
+        assert calls and len(calls) == 1, call
+        (tool_call,) = calls
         assert tool_call.function.name == "get_weather"
         assert json.loads(tool_call.function.arguments)["city"] in WEATHER_CITIES
         log = srv.log()
