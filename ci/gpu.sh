@@ -30,8 +30,12 @@ t1=$(date +%s)
 # the GPU tests live in test_gpu_*.py; arguments naming test files replace them
 tests=(packages/moet-vllm/tests/test_gpu_*.py packages/moet-kernels/tests/test_gpu_*.py)
 for a in "$@"; do [[ $a == *.py* ]] && tests=(); done
-python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --junitxml="$out/junit.xml" \
-  "${tests[@]}" "$@" 2>&1 | tee "$out/gpu-tests.log"
+# one pytest-xdist worker per test file where xdist is there (the H200 image has it): the kernel
+# validation and the vLLM engines share the GPU (engines take a fixed KV cache, no profiling)
+parallel=()
+python3 -c "import xdist" 2>/dev/null && parallel=(-n 3 --dist loadfile)
+python3 -m pytest -m gpu -p no:cacheprovider "${parallel[@]}" -rA --durations=0 \
+  --junitxml="$out/junit.xml" "${tests[@]}" "$@" 2>&1 | tee "$out/gpu-tests.log"
 rc=${PIPESTATUS[0]}
 python3 ci/gpu_summary.py "$out/junit.xml" "$out/provenance.json" $(($(date +%s) - t1)) \
   >"$out/summary.json"

@@ -151,6 +151,29 @@ CPU_FLAGS = ("--dtype", "float32", "--enforce-eager")
 GPU_FLAGS = ("--dtype", "bfloat16")
 
 
+# the boot line of a worker whose experts run moet-kernels inside vLLM's CUDA graphs (H200)
+KERNEL_LINE = (
+    "moet: compute: moet-kernels (sm_90a cubins) on cuda:0, captured in vLLM's CUDA graphs"
+)
+# driver flags of the GPU suite's engines: CUDA graphs at a few batch sizes, and a KV cache of
+# a fixed size, so that vLLM skips its memory profiling (engines of the suite run side by side)
+GPU_DRIVER_FLAGS = ("--graphs", "1", "2", "4", "8", "--kv-cache-memory-bytes", str(1 << 30))
+
+
+def check_gpu_prerequisites() -> None:
+    """What the GPU suite needs on this machine; each missing piece fails, saying so."""
+    assert torch.cuda.is_available(), (
+        "the gpu tests need a CUDA device (CI deselects them with -m 'not gpu')"
+    )
+    import vllm
+
+    assert vllm.__version__.startswith("0.24."), f"vLLM 0.24 expected, found {vllm.__version__}"
+    from moet_kernels.loader import kernels_available
+
+    ok, why = kernels_available()
+    assert ok, f"moet-kernels cannot run on this GPU: {why}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--prompts-file", help="a JSON list of token-id lists (instead of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--max-model-len", type=int, default=128)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="skips profiling")
     ap.add_argument(
         "--prompt-logprobs",
         action="store_true",
@@ -93,6 +94,11 @@ def main() -> None:
         max_model_len=args.max_model_len,
         seed=0,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+        **(
+            {"kv_cache_memory_bytes": args.kv_cache_memory_bytes}
+            if args.kv_cache_memory_bytes
+            else {}
+        ),
         **(
             {"gpu_memory_utilization": args.gpu_memory_utilization}
             if args.gpu_memory_utilization

@@ -575,11 +575,12 @@ def size_auto_pool(worker=None) -> None:
         )
     loaded = mgr.resize(n)
     log.info(
-        "moet: gpu_pool=auto: %.2f GiB %s, %.2f GiB kept for it (pool_reserve_gib): %d expert "
+        "moet: gpu_pool=auto: %.2f GiB %s, %.2f GiB kept %s (pool_reserve_gib): %d expert "
         "slots (pool coverage %.1f%%, %.1f MB); warm start: %d experts preloaded",
         free / sizing.GIB,
-        "free after the KV cache" if auto.slots is None else "of vLLM's KV budget",
+        "free after the KV cache" if auto.slots is None else "of vLLM's KV-cache budget",
         auto.reserve_bytes / sizing.GIB,
+        "free" if auto.slots is None else "for the KV cache",
         n,
         100 * mgr.coverage,
         mgr.pool.numel() / 1e6,
