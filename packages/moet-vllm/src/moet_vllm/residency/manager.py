@@ -547,14 +547,19 @@ def carve_auto_pool(worker, available: int) -> int:
     mgr = _active
     if mgr is None or mgr.auto is None:
         return 0
+    n = _auto_slots(mgr, available)
+    mgr.auto = dataclasses.replace(mgr.auto, slots=n, free_bytes=available)
+    return (n - mgr.n_slots) * mgr.layout.row_bytes
+
+
+def _auto_slots(mgr: ResidencyManager, free: int) -> int:
+    """The policy slots a `gpu_pool=auto` pool gets from `free` bytes (sizing.auto_slots)."""
+    a = mgr.auto
     n_keys = len(mgr.tiered) * mgr.n_experts
     row = mgr.layout.row_bytes
-    a = mgr.auto
-    n = sizing.auto_slots(
-        available, a.reserve_bytes, row, mgr.n_slots, n_keys, a.floor, a.below_floor_ok
+    return sizing.auto_slots(
+        free, a.reserve_bytes, row, mgr.n_slots, n_keys, a.floor, a.below_floor_ok
     )
-    mgr.auto = dataclasses.replace(a, slots=n, free_bytes=available)
-    return (n - mgr.n_slots) * row
 
 
 def size_auto_pool(worker=None) -> None:
@@ -564,15 +569,12 @@ def size_auto_pool(worker=None) -> None:
     mgr = _active
     if mgr is None or mgr.auto is None:
         return
-    auto, mgr.auto = mgr.auto, None
+    auto = mgr.auto
     n, free = auto.slots, auto.free_bytes
     if n is None:
         free = sizing.free_bytes(mgr.device)
-        n_keys = len(mgr.tiered) * mgr.n_experts
-        row = mgr.layout.row_bytes
-        n = sizing.auto_slots(
-            free, auto.reserve_bytes, row, mgr.n_slots, n_keys, auto.floor, auto.below_floor_ok
-        )
+        n = _auto_slots(mgr, free)
+    mgr.auto = None
     loaded = mgr.resize(n)
     log.info(
         "moet: gpu_pool=auto: %.2f GiB %s, %.2f GiB kept %s (pool_reserve_gib): %d expert "
