@@ -20,24 +20,33 @@ trap 'rm -rf "$site"' EXIT
 t0=$(date +%s)
 install() { python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target "$site" "$@"; }
 { install ./packages/moet-quant ./packages/moet-store ./packages/moet-vllm &&
-  install --config-settings=cmake.define.MOET_KERNELS_ARCHS=90a ./packages/moet-kernels; } \
+  install --config-settings=cmake.define.MOET_KERNELS_ARCHS=90a \
+    --config-settings=build-dir="$site/build" ./packages/moet-kernels; } \
   >"$out/install.log" 2>&1 || { tail -20 "$out/install.log"; echo "ci/gpu: install failed" >&2; exit 1; }
 echo "ci/gpu: packages installed in $(($(date +%s) - t0)) s"
 export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
 python3 bench/provenance.py bash ci/gpu.sh "$@" >"$out/provenance.json"
 unset MOET_COMMIT  # provenance's, not a MoetConfig field: moet refuses unknown MOET_* variables
 t1=$(date +%s)
-# the GPU tests live in test_gpu_*.py; arguments naming test files replace them
-tests=(packages/moet-vllm/tests/test_gpu_*.py packages/moet-kernels/tests/test_gpu_*.py)
-for a in "$@"; do [[ $a == *.py* ]] && tests=(); done
-# one pytest-xdist worker per test file where xdist is there (the H200 image has it): the kernel
-# validation and the vLLM engines share the GPU (engines take a fixed KV cache, no profiling)
-parallel=()
-python3 -c "import xdist" 2>/dev/null && parallel=(-n 3 --dist loadfile)
-python3 -m pytest -m gpu -p no:cacheprovider "${parallel[@]}" -rA --durations=0 \
-  --junitxml="$out/junit.xml" "${tests[@]}" "$@" 2>&1 | tee "$out/gpu-tests.log"
+# The GPU tests live in test_gpu_*.py. Side by side first (one pytest-xdist worker per file where
+# xdist is there, as on the H200 image: their engines take a fixed KV cache, no profiling), then
+# test_gpu_memory.py alone (vLLM's memory profiling measures the whole device). Arguments naming
+# test files replace both lists.
+parallel=(packages/moet-vllm/tests/test_gpu_{serving,oracle,architectures,residency}.py
+  packages/moet-kernels/tests/test_gpu_kernels.py)
+alone=(packages/moet-vllm/tests/test_gpu_memory.py)
+for a in "$@"; do [[ $a == *.py* ]] && parallel=() alone=(); done
+workers=()
+python3 -c "import xdist" 2>/dev/null && workers=(-n 5 --dist loadfile)
+suite() {  # junit file, then pytest arguments
+  local junit=$1; shift
+  python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --junitxml="$out/$junit" "$@"
+}
+{ suite junit.xml "${workers[@]}" "${parallel[@]}" "$@"; first=$?
+  [ ${#alone[@]} -eq 0 ] || suite junit-alone.xml "${alone[@]}"; second=$?
+  exit $((first || second)); } 2>&1 | tee "$out/gpu-tests.log"
 rc=${PIPESTATUS[0]}
-python3 ci/gpu_summary.py "$out/junit.xml" "$out/provenance.json" $(($(date +%s) - t1)) \
+python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$out"/junit*.xml \
   >"$out/summary.json"
 tail -n 12 "$out/summary.json"
 exit "$rc"

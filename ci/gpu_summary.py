@@ -1,6 +1,6 @@
 """The GPU suite's summary (ci/gpu.sh): pytest's JUnit XML + provenance -> one JSON.
 
-    python3 ci/gpu_summary.py JUNIT.xml PROVENANCE.json WALL_SECONDS
+    python3 ci/gpu_summary.py PROVENANCE.json WALL_SECONDS JUNIT.xml...
 
 Counts (passed, failed, errors, skipped), each test's outcome and time, and where it ran (GPU,
 driver, torch, vLLM, commit, command, date): what bench/results/gpu/ keeps for each run.
@@ -21,8 +21,8 @@ def outcome(case: ET.Element) -> str:
     return "passed"
 
 
-def main(junit: str, provenance: str, wall_s: str) -> None:
-    cases = ET.parse(junit).getroot().iter("testcase")
+def main(provenance: str, wall_s: str, *junits: str) -> None:
+    cases = [c for j in junits for c in ET.parse(j).getroot().iter("testcase")]
     tests = [
         {
             "test": f"{c.get('classname')}::{c.get('name')}",

@@ -1,0 +1,132 @@
+"""Tiered residency on the GPU at the manager level (marker `gpu`, run by ci/gpu.sh on the H200):
+the serving `ResidencyManager` over a moet-store host tier, with moet-kernels' op in a CUDA graph
+as the forward pass (3 MoE layers x 32 experts, top-4, hidden 512, intermediate 256: the pool
+holds every expert, so no step misses). A miss-free step costs one device-to-host sync, the miss
+counter's; the predicted fetch's cost is measured against it."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from serving import check_gpu_prerequisites
+
+import moet_store
+from moet_kernels.layout import NativeRowLayout, RowLayout
+from moet_kernels.ops import w2_moe_slots
+from moet_kernels.testing import random_scales
+from moet_vllm.residency.manager import ResidencyManager
+
+pytestmark = pytest.mark.gpu
+H, INTER, L, E, K = 512, 256, 3, 32, 4
+STEPS = 50
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prerequisites():
+    check_gpu_prerequisites()
+
+
+def manager(tmp_path, predict: bool) -> ResidencyManager:
+    """A pool of every (layer, expert) over packs of random rows (trained-shaped scales)."""
+    lay = NativeRowLayout(H, INTER)
+    spec = moet_store.PackSpec("w2", 0, 0, L, E, lay.row_bytes, {"test": "syncs"})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with moet_store.open_pack_for_write(tmp_path, spec) as writer:
+        for layer in range(L):
+            secs = {
+                name: random_scales((E, *shape), "trained", gen)
+                if "scales" in name
+                else torch.randint(0, 256, (E, *shape), dtype=torch.uint8, device="cuda")
+                for name, (_, shape) in RowLayout(H, INTER).sections.items()
+            }
+            writer.write_layer(layer, lay.pack(**secs).cpu().numpy())
+    store = moet_store.open_store(tmp_path, spec, backend="ram")
+    mgr = ResidencyManager(
+        lay, list(range(L)), E, L * E, store, kpi_every=0, predict=predict, device="cuda",
+        reduce_max=int,
+    )  # fmt: skip
+    mgr.preload(np.arange(L * E))
+    return mgr
+
+
+class Graph:
+    """One decode token through the L layers' op, captured once and replayed by `forward`."""
+
+    def __init__(self, mgr: ResidencyManager):
+        self.mgr = mgr
+        self.x = torch.randn(1, H, device="cuda").to(torch.bfloat16)
+        self.ids = torch.randint(0, E, (L, 1, K), dtype=torch.int32, device="cuda")
+        self.w = torch.rand(L, 1, K, device="cuda")
+        self._eager()  # the op's buffers, before the capture
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._eager()
+
+    def _eager(self):
+        h = self.x
+        for layer in range(L):
+            table, routed = self.mgr.layer_tables(layer, self.ids[layer])
+            h = h + w2_moe_slots(
+                h, self.ids[layer], self.w[layer], self.mgr.pool, table, H, INTER,
+                self.mgr.n_real, self.mgr.miss_count, routed,
+            )  # fmt: skip
+        return h
+
+    def forward(self, eager: bool = False):
+        if eager:
+            return self._eager()
+        self.graph.replay()
+        return self.out
+
+
+def run(mgr, graph, token_ids=None) -> tuple[int, int, float]:
+    """STEPS decode steps -> (explicit stream syncs, implicit syncs torch flagged, us/step)."""
+    explicit = 0
+    original = torch.cuda.Stream.synchronize
+
+    def counted(stream):
+        nonlocal explicit
+        explicit += 1
+        return original(stream)
+
+    torch.cuda.Stream.synchronize = counted
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                mgr.run_forward(graph.forward, n_real=1, token_ids=token_ids)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.Stream.synchronize = original
+    implicit = sum("synchroniz" in str(w.message) for w in caught)
+    return explicit, implicit, 1e6 * seconds / STEPS
+
+
+def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_path):
+    """On demand (the kernels' default, predict=auto): one explicit sync per step (the miss
+    count and routed mask together), no implicit one, no replay. With the predicted fetch the
+    same steps sync more (the input tokens before the forward, the routing after it) and take
+    longer; both costs are printed (docs/residency.md)."""
+    on_demand = manager(tmp_path / "a", predict=False)
+    syncs, implicit, us = run(on_demand, Graph(on_demand))
+    assert (syncs, implicit) == (STEPS, 0), (syncs, implicit)
+    assert on_demand.counters.replayed_steps == 0 and on_demand.counters.steps == STEPS
+    predicting = manager(tmp_path / "b", predict=True)
+    token = torch.tensor([7], device="cuda")  # vLLM's input ids live on the GPU
+    p_syncs, p_implicit, p_us = run(predicting, Graph(predicting), token_ids=token)
+    assert predicting.counters.replayed_steps == 0
+    assert p_syncs + p_implicit > syncs + implicit
+    print(
+        f"per miss-free step: on demand {syncs / STEPS:.0f} sync, {us:.1f} us; predicting "
+        f"{(p_syncs + p_implicit) / STEPS:.1f} syncs, {p_us:.1f} us ({p_us / us:.2f}x)"
+    )
