@@ -202,6 +202,7 @@ BENCHES = (  # bench/<name>.py
     "residency_gpu",
     "kernels",
     "kernel_activations",
+    "serving_gpu",
 )
 
 
@@ -225,7 +226,11 @@ def bench(session: nox.Session, what: str) -> None:
     kernels: needs a CUDA GPU (bench/h200/kernels.sh on the H200): validates the W2 MoE op against
     float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md);
     kernel_activations: how far int8 (per 128) and e4m3 (per token) activations move the trained
-    fixture's MoE outputs from exact (needs the checkpoint `bash ci/main.sh` writes).
+    fixture's MoE outputs from exact (needs the checkpoint `bash ci/main.sh` writes);
+    serving_gpu: end-to-end decode tok/s of moet vs stock vLLM bf16 / FP8 on a shape of
+    bench/shapes/ with synthetic weights and a designed routing (D measured per engine), one
+    engine per process (bench/serving_gpu.sh on the H200; on a CPU a tiny shape, batch 1 and 2,
+    FP8 skipped).
     """
     session.run("python", f"bench/{what}.py", *session.posargs)
 
