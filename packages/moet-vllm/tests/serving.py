@@ -174,6 +174,44 @@ def check_gpu_prerequisites() -> None:
     assert ok, f"moet-kernels cannot run on this GPU: {why}"
 
 
+# qwen3_moe with 2 MoE layers x 64 experts of intermediate size 24576: 2.65 MB per expert row, so
+# pools at the boot floor and of every expert differ by ~313 MB (the checkpoint is 2.4 GB of bf16)
+WIDE = {"num_experts": 64, "moe_intermediate_size": 24576}
+
+
+def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple[int, int]:
+    """design.md: an explicit pool comes out of the KV cache. Three boots of the WIDE model with
+    vLLM sizing its KV cache from memory (`flags`): the first writes the packs, then a pool at the
+    boot floor and one of every expert, which read them; -> (the KV bytes the larger pool took,
+    the pools' difference in bytes: rows of `layout`, the compute path's). Their greedy tokens
+    are equal."""
+    from tiny_models import config, write_tiny_model
+
+    from moet_quant import convert
+    from moet_vllm.residency.sizing import boot_floor
+
+    src = write_tiny_model("qwen3_moe", tmp_path / "wide", overrides=WIDE)
+    model = convert.convert(src, tmp_path / "wide-moet", progress=False).out
+    cfg = config("qwen3_moe", WIDE)
+    keys = cfg["num_hidden_layers"] * cfg["num_experts"]
+    floor = boot_floor(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], 1, 1)  # 10
+    flags = [*flags, "--max-num-seqs", "1", "--prompts", "1", "--max-tokens", "2"]
+    runs = {}
+    for name, slots in (("packs", keys), ("floor", floor), ("all", keys)):
+        env = {"MOET_GPU_POOL": str(slots), "MOET_CACHE_DIR": str(tmp_path / "packs")}
+        runs[name] = run_vllm(model, tmp_path, f"kv-{name}", env=env, dtype=dtype, extra=flags)
+        assert f"tiered residency: {slots} expert slots" in runs[name]["log"]
+    assert runs["floor"]["tokens"] == runs["all"]["tokens"] == runs["packs"]["tokens"]
+    # K and V per token: layers x 2 x kv heads x head dim x the dtype's bytes
+    width = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    token_bytes = (
+        cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * width
+    )
+    kv_delta = (runs["floor"]["kv_cache_tokens"] - runs["all"]["kv_cache_tokens"]) * token_bytes
+    row_bytes = layout(cfg["hidden_size"], cfg["moe_intermediate_size"]).row_bytes
+    return kv_delta, (keys - floor) * row_bytes
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,13 +22,11 @@ from serving import (
     convert_fixture,
     fixture_prompts,
     hf_reference_tokens,
+    pool_and_kv_deltas,
     run_vllm,
 )
-from tiny_models import config, write_tiny_model
 
 from moet_kernels.layout import RowLayout
-from moet_quant import convert
-from moet_vllm.residency.sizing import boot_floor
 
 pytest.importorskip("vllm")
 
@@ -120,36 +118,17 @@ def test_an_auto_pool_takes_what_the_kv_cache_leaves(model, cache, tmp_path):
                      r"100000\.\d\d GiB free", r["log"]), r["log"][-3000:]  # fmt: skip
 
 
-# qwen3_moe with 2 MoE layers x 64 experts of intermediate size 24576: 2.65 MB per expert row,
-# so the two pools below differ by 313 MB (the checkpoint is 2.4 GB of bf16)
-WIDE = {"num_experts": 64, "moe_intermediate_size": 24576}
-
-
 def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
     """design.md: KV bytes with the pool = without it - pool bytes, +-1%. With
     VLLM_CPU_KVCACHE_SPACE unset, vLLM CPU sizes the KV cache as gpu_memory_utilization x the
     host's memory less what the worker holds once the model is loaded and profiled (the GPU worker
     subtracts its measured memory the same way), so a pool allocated at load must come out of it.
     The first boot writes the pack files (its allocator keeps some of that memory); the next two,
-    a pool at the boot floor and one of every expert, read them and differ only in the pool."""
-    src = write_tiny_model("qwen3_moe", tmp_path / "wide", overrides=WIDE)
-    model = convert.convert(src, tmp_path / "wide-moet", progress=False).out
-    cfg = config("qwen3_moe", WIDE)
-    keys = cfg["num_hidden_layers"] * cfg["num_experts"]
-    floor = boot_floor(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], 1, 1)  # 10
-    flags = ["--max-num-seqs", "1", "--gpu-memory-utilization", "0.15", "--prompts", "1"]
-    flags += ["--max-tokens", "2"]
-    runs = {}
-    for name, slots in (("packs", keys), ("floor", floor), ("all", keys)):
-        env = {"MOET_GPU_POOL": str(slots), "MOET_CACHE_DIR": str(tmp_path / "packs")}
-        runs[name] = run_vllm(model, tmp_path, f"kv-{name}", env=env, extra=flags)
-        assert f"tiered residency: {slots} expert slots" in runs[name]["log"]
-    assert runs["floor"]["tokens"] == runs["all"]["tokens"] == runs["packs"]["tokens"]
-    # float32 K and V per token: layers x 2 x kv heads x head dim x 4 bytes
-    token_bytes = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
-    kv_delta = (runs["floor"]["kv_cache_tokens"] - runs["all"]["kv_cache_tokens"]) * token_bytes
-    row_bytes = RowLayout(cfg["hidden_size"], cfg["moe_intermediate_size"]).row_bytes
-    pool_delta = (keys - floor) * row_bytes
+    a pool at the boot floor and one of every expert, read them and differ only in the pool
+    (serving.pool_and_kv_deltas)."""
+    kv_delta, pool_delta = pool_and_kv_deltas(
+        tmp_path, ["--gpu-memory-utilization", "0.15"], RowLayout
+    )
     assert kv_delta == pytest.approx(pool_delta, rel=0.01), (kv_delta, pool_delta)
 
 
