@@ -32,12 +32,12 @@ t1=$(date +%s)
 # xdist is there, as on the H200 image: their engines take a fixed KV cache, no profiling), then
 # test_gpu_memory.py alone (vLLM's memory profiling measures the whole device). Arguments naming
 # test files replace both lists.
-parallel=(packages/moet-vllm/tests/test_gpu_{serving,oracle,architectures,residency}.py
-  packages/moet-kernels/tests/test_gpu_kernels.py)
 alone=(packages/moet-vllm/tests/test_gpu_memory.py)
+parallel=()
+for f in packages/*/tests/test_gpu_*.py; do [[ " ${alone[*]} " == *" $f "* ]] || parallel+=("$f"); done
 for a in "$@"; do [[ $a == *.py* ]] && parallel=() alone=(); done
 workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n 5 --dist loadfile)
+python3 -c "import xdist" 2>/dev/null && workers=(-n "${#parallel[@]}" --dist loadfile)
 suite() {  # junit file, then pytest arguments
   local junit=$1; shift
   python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --junitxml="$out/$junit" "$@"

@@ -1,38 +1,30 @@
-"""moet-vllm on a GPU: vLLM 0.24 (CUDA) serving the trained fixture through moet-kernels in CUDA
-graphs, every expert resident and tiered. Marker `gpu`: `bash ci/gpu.sh` runs these on the H200
-with vLLM staged; CI deselects them (`-m "not gpu"`). On a CUDA machine a missing prerequisite
-(vLLM, the kernels' cubins) fails, it is never skipped.
-
-The fixture (serving.FIXTURE: GLM-4.5 family, 3 MoE layers x 64 experts of intermediate 32,
-top-4) is converted by `moet convert` and served in bfloat16 with vLLM's default compilation
-(torch.compile, FULL_AND_PIECEWISE CUDA graphs). Engines of one comparison run the same prompts,
+"""Tiered residency served by vLLM 0.24 on a GPU (marker `gpu`, run by ci/gpu.sh on the H200):
+the trained fixture (serving.FIXTURE: GLM-4.5 family, 3 MoE layers x 64 experts of intermediate
+32, top-4), converted by `moet convert` and served in bfloat16 through moet-kernels with vLLM's
+compilation and CUDA graphs (GPU_DRIVER_FLAGS). Engines of one comparison run the same prompts,
 batch limit and capture sizes, so the batches vLLM forms (and so the dense layers' arithmetic)
-are the same; what differs is where the experts come from.
+are the same; what differs is where the experts come from. On a CUDA machine a missing
+prerequisite fails, never skips.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from serving import (
     GPU_DRIVER_FLAGS,
-    GPU_FLAGS,
     KERNEL_LINE,
-    Server,
     check_gpu_prerequisites,
     convert_fixture,
     fixture_prompts,
     run_vllm,
 )
-from tiny_models import GLM_PARSER_FLAGS, WEATHER_CITIES, WEATHER_TOOL, whitespace_token_ids
 
 from moet_vllm.residency.sizing import boot_floor
 
 pytestmark = pytest.mark.gpu
-NAME = "moet-glm-moe-fixture"
 SEQS = 4  # max_num_seqs of the comparisons: 8 prompts, 4 decoding together
 FLOOR = boot_floor(3, 4, 1, SEQS)  # 56 of the fixture's 192 (layer, expert) pairs
 
@@ -58,64 +50,6 @@ def drive(model, tmp_path, name, env=None, prompts=8, seqs=SEQS) -> dict:
         model, tmp_path, name, env=env, dtype="bfloat16",
         extra=[*GPU_DRIVER_FLAGS, "--max-num-seqs", str(seqs)], prompts=fixture_prompts(prompts),
     )  # fmt: skip
-
-
-# --- vllm serve ---------------------------------------------------------------------------------
-
-
-def test_vllm_serve_answers_chat_completion_and_a_tool_call_through_the_kernels(
-    model, cache, tmp_path
-):
-    """`vllm serve` with default compilation (CUDA graphs at vLLM's default capture sizes): a
-    chat, a completion and a named tool call over the OpenAI API, and the boot line saying that
-    the kernels run, captured."""
-    from openai import OpenAI
-
-    vllm_serve = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
-    srv = Server(
-        model, tmp_path / "server.log", cache, (*GLM_PARSER_FLAGS, "--kv-cache-memory-bytes", str(2 << 30)),
-        name=NAME, device_flags=GPU_FLAGS, command=vllm_serve,
-    )  # fmt: skip
-    try:
-        srv.wait_ready(timeout=480)
-        client = OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=120, max_retries=0)
-        no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
-        chat = client.chat.completions.create(
-            model=NAME,
-            messages=[{"role": "user", "content": "List the files."}],
-            max_tokens=16,
-            temperature=0,
-            extra_body={**no_thinking, "ignore_eos": True},
-        )
-        assert chat.usage.completion_tokens == 16 and chat.choices[0].message.content
-        completion = client.completions.create(
-            model=NAME,
-            prompt="import os\nimport sys\n\n\ndef main(",
-            max_tokens=16,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-        )
-        assert completion.usage.completion_tokens == 16 and completion.choices[0].text
-        call = client.chat.completions.create(
-            model=NAME,
-            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
-            tools=[WEATHER_TOOL],
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-            max_tokens=96,
-            temperature=0,
-            # as in test_vllm_openai: without whitespace tokens the call's grammar is finite
-            logit_bias={str(i): -100 for i in whitespace_token_ids(model)},
-            extra_body=no_thinking,
-        )
-        calls = call.choices[0].message.tool_calls
-        assert calls and len(calls) == 1, call
-        (tool_call,) = calls
-        assert tool_call.function.name == "get_weather"
-        assert json.loads(tool_call.function.arguments)["city"] in WEATHER_CITIES
-        log = srv.log()
-        assert KERNEL_LINE in log, log[-4000:]
-    finally:
-        srv.stop()
 
 
 # --- tiered residency against all-resident ------------------------------------------------------
