@@ -40,7 +40,8 @@ workers=()
 python3 -c "import xdist" 2>/dev/null && workers=(-n "${#parallel[@]}" --dist loadfile)
 suite() {  # junit file, then pytest arguments
   local junit=$1; shift
-  python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 --junitxml="$out/$junit" "$@"
+  python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 -o junit_family=xunit1 \
+    --junitxml="$out/$junit" "$@"
 }
 { suite junit.xml "${workers[@]}" "${parallel[@]}" "$@"; first=$?
   [ ${#alone[@]} -eq 0 ] || suite junit-alone.xml "${alone[@]}"; second=$?

@@ -25,7 +25,7 @@ def main(provenance: str, wall_s: str, *junits: str) -> None:
     cases = [c for j in junits for c in ET.parse(j).getroot().iter("testcase")]
     tests = [
         {
-            "test": f"{c.get('classname')}::{c.get('name')}",
+            "test": f"{c.get('file') or c.get('classname')}::{c.get('name')}",
             "outcome": outcome(c),
             "seconds": round(float(c.get("time", 0)), 1),
         }
