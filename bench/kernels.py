@@ -9,7 +9,7 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
   the checks; what they check: docs/kernels.md "Validation"); the GPU test suite asserts it, one
   test per case (`pytest -m gpu packages/moet-kernels/tests/test_gpu_kernels.py`). Here it runs
   the same cases (`VALIDATION_CASES`) to put their measurements in the result file; the run's
-  seed (--seed, or fresh) is the suite's MOET_TEST_SEED: the same seed draws the same inputs.
+  seed (--seed, or fresh) is the suite's GPU_TEST_SEED: the same seed draws the same inputs.
 - time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
   size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
   shaped like trained weights' (moet_kernels.testing.SCALES; again at batch 1 and 8 with "wide"

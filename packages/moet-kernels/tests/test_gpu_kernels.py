@@ -7,7 +7,7 @@ One test per case of `moet_kernels.testing.VALIDATION_CASES` (what each checks:
 expansion on the GPU. CI has no GPU and deselects the marker (`-m "not gpu"`); on a machine
 that runs them, nothing here skips: no CUDA device or kernels that cannot load is a failure.
 
-Inputs are fresh each run: the run's seed comes from os.urandom, or from MOET_TEST_SEED to
+Inputs are fresh each run: the run's seed comes from os.urandom, or from GPU_TEST_SEED to
 reproduce a failure (every failure message names it); each case draws from (seed, case id).
 """
 
@@ -24,7 +24,9 @@ from moet_kernels.loader import kernels_available
 
 pytestmark = pytest.mark.gpu
 
-SEED = int(os.environ.get("MOET_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+# not a MOET_* name: moet-vllm refuses MOET_* variables that are not its settings, and vLLM
+# engines of the same suite inherit this environment
+SEED = int(os.environ.get("GPU_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
 HERE = "packages/moet-kernels/tests/test_gpu_kernels.py"
 NO_CUDA = "the gpu tests need a CUDA device; CI deselects them with -m 'not gpu'"
 
@@ -54,7 +56,7 @@ def require_kernels() -> None:
 
 
 def reproduce(test: str) -> str:
-    return f"seed {SEED}: reproduce with MOET_TEST_SEED={SEED} python -m pytest '{HERE}::{test}'"
+    return f"seed {SEED}: reproduce with GPU_TEST_SEED={SEED} python -m pytest '{HERE}::{test}'"
 
 
 @pytest.mark.parametrize("case", testing.VALIDATION_CASES, ids=lambda c: c.id)
