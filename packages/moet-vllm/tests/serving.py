@@ -212,6 +212,21 @@ def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple
     return kv_delta, (keys - floor) * row_bytes
 
 
+def corrupt_packs(cache: Path) -> None:
+    """Flip one byte of every row of the one pack in `cache` (each row's checksum then fails) and
+    remove the saved hot sets, so that a boot reads no row before a step misses."""
+    (pack,) = cache.glob("*.pack")
+    spec = json.loads(pack.with_name(pack.name + ".json").read_text())
+    with pack.open("r+b") as f:
+        for row in range(spec["n_layers"] * spec["n_experts"]):
+            f.seek(row * spec["stride"] + 100)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    for hot in [*cache.glob("*.pool-hot.json"), *cache.glob("*.heat.json")]:
+        hot.unlink()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

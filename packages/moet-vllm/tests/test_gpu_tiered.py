@@ -9,7 +9,6 @@ prerequisite fails, never skips.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from serving import (
     KERNEL_LINE,
     check_gpu_prerequisites,
     convert_fixture,
+    corrupt_packs,
     fixture_prompts,
     run_vllm,
 )
@@ -96,20 +96,12 @@ def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(mode
     byte of every row flipped: each row's checksum no longer matches) and the hot set removed, so
     a second boot reads the packs only when a step misses, from the page cache; the first fetch
     fails its checks, is retried, and the step fails: the engine stops with moet's message and
-    no output is written, so no zeroed-expert token is ever returned."""
+    no output is written, so no zeroed-expert token is ever returned (test_vllm_tiered.py runs
+    the same on CPU)."""
     cache = tmp_path / "packs"
     env = {"MOET_CACHE_DIR": str(cache), "MOET_GPU_POOL": "96", "MOET_HOST_TIER": "pagecache"}
     drive(model, tmp_path, "writes-the-packs", env, prompts=2)
-    (pack,) = cache.glob("*.pack")
-    spec = json.loads(pack.with_name(pack.name + ".json").read_text())
-    with pack.open("r+b") as f:
-        for row in range(spec["n_layers"] * spec["n_experts"]):
-            f.seek(row * spec["stride"] + 100)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    for hot in [*cache.glob("*.pool-hot.json"), *cache.glob("*.heat.json")]:
-        hot.unlink()  # no warm start: nothing is read from the packs before a step misses
+    corrupt_packs(cache)
     extra = [*GPU_DRIVER_FLAGS, "--max-num-seqs", str(SEQS)]
     r = run_vllm(model, tmp_path, "corrupt", env=env, dtype="bfloat16", extra=extra,
                  prompts=fixture_prompts(2), check=False)  # fmt: skip

@@ -20,6 +20,7 @@ from serving import (
     NAME,
     Server,
     convert_fixture,
+    corrupt_packs,
     fixture_prompts,
     hf_reference_tokens,
     pool_and_kv_deltas,
@@ -130,6 +131,21 @@ def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
         tmp_path, ["--gpu-memory-utilization", "0.15"], RowLayout
     )
     assert kv_delta == pytest.approx(pool_delta, rel=0.01), (kv_delta, pool_delta)
+
+
+def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(model, tmp_path):
+    """Fail closed (strict, the default): the packs of a first run corrupted on disk (every row's
+    checksum fails) and its hot set removed, the next boot reads rows only when a step misses
+    (host tier `pagecache`); the fetch fails its checks three times and the step fails: the
+    engine stops with moet's message and writes no output."""
+    cache = tmp_path / "packs"
+    env = {"MOET_CACHE_DIR": str(cache), "MOET_GPU_POOL": "96", "MOET_HOST_TIER": "pagecache"}
+    run_vllm(model, tmp_path, "writes-the-packs", env=env, prompts=fixture_prompts(1))
+    corrupt_packs(cache)
+    r = run_vllm(model, tmp_path, "corrupt", env=env, prompts=fixture_prompts(1), check=False)
+    assert r["returncode"] != 0, r["log"][-3000:]
+    assert "failed 3 times" in r["log"] and "the step's experts cannot be restored" in r["log"]
+    assert not (tmp_path / "corrupt.json").exists()
 
 
 def test_openai_server_reports_residency_on_metrics(model, tmp_path):
