@@ -157,7 +157,8 @@ KERNEL_LINE = (
 )
 # driver flags of the GPU suite's engines: CUDA graphs at a few batch sizes, and a KV cache of
 # a fixed size, so that vLLM skips its memory profiling (engines of the suite run side by side)
-GPU_DRIVER_FLAGS = ("--graphs", "1", "2", "4", "8", "--kv-cache-memory-bytes", str(1 << 30))
+GPU_KV_FLAGS = ("--kv-cache-memory-bytes", str(1 << 30))
+GPU_DRIVER_FLAGS = ("--graphs", "1", "2", "4", "8", *GPU_KV_FLAGS)
 
 
 def check_gpu_prerequisites() -> None:

@@ -8,18 +8,13 @@ kernels' boot line is in both, and MTP drafts are accepted."""
 from __future__ import annotations
 
 import pytest
-from serving import GPU_DRIVER_FLAGS, KERNEL_LINE, check_gpu_prerequisites, run_vllm
+from serving import GPU_DRIVER_FLAGS, GPU_KV_FLAGS, KERNEL_LINE, run_vllm
 from tiny_models import ARCHS, write_tiny_model
 
 from moet_quant import convert
 
 pytestmark = pytest.mark.gpu
 EAGER_LINE = "moet: compute: moet-kernels (sm_90a cubins) on cuda:0, eager (no CUDA graphs)"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prerequisites():
-    check_gpu_prerequisites()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -29,7 +24,7 @@ def test_serves_through_the_kernels_in_cuda_graphs_as_it_does_eagerly(arch, tmp_
     ).out
     mtp = 1 if arch == "glm4_moe" else 0
     seqs = ["--max-num-seqs", "2"]
-    kv = GPU_DRIVER_FLAGS[GPU_DRIVER_FLAGS.index("--kv-cache-memory-bytes") :]
+    kv = GPU_KV_FLAGS
     graphs = run_vllm(moet, tmp_path, "graphs", dtype="bfloat16", mtp=mtp,
                       extra=[*GPU_DRIVER_FLAGS, *seqs])  # fmt: skip
     eager = run_vllm(moet, tmp_path, "eager", dtype="bfloat16", mtp=mtp, extra=[*kv, *seqs])

@@ -9,16 +9,11 @@ expert row, 2.4 GB of bf16): pools at the boot floor and of every expert differ 
 from __future__ import annotations
 
 import pytest
-from serving import check_gpu_prerequisites, pool_and_kv_deltas
+from serving import pool_and_kv_deltas
 
 from moet_kernels.layout import NativeRowLayout
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prerequisites():
-    check_gpu_prerequisites()
 
 
 def test_an_explicit_pool_comes_out_of_the_kv_cache_on_the_gpu(tmp_path):

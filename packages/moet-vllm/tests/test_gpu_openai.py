@@ -7,27 +7,18 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
-from serving import GPU_FLAGS, KERNEL_LINE, Server, check_gpu_prerequisites, convert_fixture
+from serving import GPU_FLAGS, GPU_KV_FLAGS, KERNEL_LINE, Server
 from tiny_models import GLM_PARSER_FLAGS, WEATHER_CITIES, WEATHER_TOOL, whitespace_token_ids
 
 pytestmark = pytest.mark.gpu
 NAME = "moet-glm-moe-fixture"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def prerequisites():
-    check_gpu_prerequisites()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return convert_fixture(tmp_path_factory.mktemp("gpu-models") / "fixture-moet")
-
-
-def test_vllm_serve_answers_chat_completion_and_a_tool_call_through_the_kernels(model, tmp_path):
+def test_vllm_serve_answers_chat_completion_and_a_tool_call_through_the_kernels(
+    fixture_moet, tmp_path
+):
     """`vllm serve` with default compilation (CUDA graphs at vLLM's default capture sizes): a
     chat, a completion and a named tool call over the OpenAI API, and the boot line saying that
     the kernels run, captured."""
@@ -35,7 +26,7 @@ def test_vllm_serve_answers_chat_completion_and_a_tool_call_through_the_kernels(
 
     vllm_serve = (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
     srv = Server(
-        model, tmp_path / "server.log", tmp_path / "cache", (*GLM_PARSER_FLAGS, "--kv-cache-memory-bytes", str(2 << 30)),
+        fixture_moet, tmp_path / "server.log", tmp_path / "cache", (*GLM_PARSER_FLAGS, *GPU_KV_FLAGS),
         name=NAME, device_flags=GPU_FLAGS, command=vllm_serve,
     )  # fmt: skip
     try:
@@ -66,7 +57,7 @@ def test_vllm_serve_answers_chat_completion_and_a_tool_call_through_the_kernels(
             max_tokens=96,
             temperature=0,
             # as in test_vllm_openai: without whitespace tokens the call's grammar is finite
-            logit_bias={str(i): -100 for i in whitespace_token_ids(model)},
+            logit_bias={str(i): -100 for i in whitespace_token_ids(fixture_moet)},
             extra_body=no_thinking,
         )
         calls = call.choices[0].message.tool_calls

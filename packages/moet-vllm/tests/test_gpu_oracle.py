@@ -25,20 +25,14 @@ import pytest
 from serving import (
     FIXTURE,
     GPU_DRIVER_FLAGS,
+    GPU_KV_FLAGS,
     KERNEL_LINE,
-    check_gpu_prerequisites,
-    convert_fixture,
     run_vllm,
 )
 
 pytestmark = pytest.mark.gpu
 DELTA = 0.5  # nats (module docstring)
 MIN_AGREEMENT = 0.97
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prerequisites():
-    check_gpu_prerequisites()
 
 
 def split_prompt(n_tokens: int = 1000) -> tuple[str, list[int]]:
@@ -62,14 +56,14 @@ def split_prompt(n_tokens: int = 1000) -> tuple[str, list[int]]:
     raise AssertionError(f"fewer than {n_tokens} test-split tokens in {root}")
 
 
-def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(tmp_path):
+def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(fixture_moet, tmp_path):
     """Greedy top-1 of the kernels equals the oracle's at every position except where the
     oracle's top-2 margin is below DELTA, and then only between the oracle's two best tokens;
     agreement with the bf16 fixture is reported."""
-    model = convert_fixture(tmp_path / "fixture-moet")
+    model = fixture_moet
     keys, prompt = split_prompt()
     forced = ["--max-model-len", "1024", "--prompt-logprobs", "--max-num-seqs", "1"]
-    kv = GPU_DRIVER_FLAGS[GPU_DRIVER_FLAGS.index("--kv-cache-memory-bytes") :]
+    kv = GPU_KV_FLAGS
     runs = {
         "kernel": run_vllm(model, tmp_path, "kernel", dtype="bfloat16", prompts=[prompt],
                            extra=[*forced, *GPU_DRIVER_FLAGS]),

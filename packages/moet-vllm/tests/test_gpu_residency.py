@@ -12,7 +12,6 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from serving import check_gpu_prerequisites
 
 import moet_store
 from moet_kernels.layout import NativeRowLayout, RowLayout
@@ -23,11 +22,6 @@ from moet_vllm.residency.manager import ResidencyManager
 pytestmark = pytest.mark.gpu
 H, INTER, L, E, K = 512, 256, 3, 32, 4
 STEPS = 50
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prerequisites():
-    check_gpu_prerequisites()
 
 
 def manager(tmp_path, predict: bool) -> ResidencyManager:

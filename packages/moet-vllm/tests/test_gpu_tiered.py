@@ -15,8 +15,6 @@ import pytest
 from serving import (
     GPU_DRIVER_FLAGS,
     KERNEL_LINE,
-    check_gpu_prerequisites,
-    convert_fixture,
     corrupt_packs,
     fixture_prompts,
     run_vllm,
@@ -27,16 +25,6 @@ from moet_vllm.residency.sizing import boot_floor
 pytestmark = pytest.mark.gpu
 SEQS = 4  # max_num_seqs of the comparisons: 8 prompts, 4 decoding together
 FLOOR = boot_floor(3, 4, 1, SEQS)  # 56 of the fixture's 192 (layer, expert) pairs
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prerequisites():
-    check_gpu_prerequisites()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return convert_fixture(tmp_path_factory.mktemp("gpu-models") / "fixture-moet")
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +44,13 @@ def drive(model, tmp_path, name, env=None, prompts=8, seqs=SEQS) -> dict:
 
 
 @pytest.fixture(scope="module")
-def resident(model, cache, tmp_path_factory) -> dict:
+def resident(fixture_moet, cache, tmp_path_factory) -> dict:
     """gpu_pool=all: every expert resident in native rows, through the same op and layout."""
     run = drive(
-        model, tmp_path_factory.mktemp("resident"), "resident", {"MOET_CACHE_DIR": str(cache)}
+        fixture_moet,
+        tmp_path_factory.mktemp("resident"),
+        "resident",
+        {"MOET_CACHE_DIR": str(cache)},
     )
     assert KERNEL_LINE in run["log"]
     return run
@@ -71,7 +62,7 @@ def resident(model, cache, tmp_path_factory) -> dict:
     ids=["50%", "the-floor", "below-the-floor"],
 )
 def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(
-    model, resident, tmp_path, pool, extra_env
+    fixture_moet, resident, tmp_path, pool, extra_env
 ):
     """A pool of 50%, of the boot floor, and below it (consented): every generated token and its
     logprob equals the all-resident engine's, bit for bit, and the pool did miss: replayed
@@ -79,7 +70,7 @@ def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(
     # a cache of its own: no hot set saved by another run warms this pool up
     env = {"MOET_CACHE_DIR": str(tmp_path / "packs"), "MOET_GPU_POOL": pool, "MOET_KPI_EVERY": "1"}
     env.update(extra_env)
-    tiered = drive(model, tmp_path, f"tiered-{pool}", env)
+    tiered = drive(fixture_moet, tmp_path, f"tiered-{pool}", env)
     assert KERNEL_LINE in tiered["log"]
     assert f"tiered residency: {pool} expert slots for 3 MoE layers x 64 experts" in tiered["log"]
     assert tiered["tokens"] == resident["tokens"]
@@ -91,7 +82,7 @@ def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(
     print(f"pool {pool}: {counters}")
 
 
-def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(model, tmp_path):
+def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(fixture_moet, tmp_path):
     """Fail closed (strict, the default): the packs of a first run are corrupted on disk (one
     byte of every row flipped: each row's checksum no longer matches) and the hot set removed, so
     a second boot reads the packs only when a step misses, from the page cache; the first fetch
@@ -100,10 +91,10 @@ def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(mode
     the same on CPU)."""
     cache = tmp_path / "packs"
     env = {"MOET_CACHE_DIR": str(cache), "MOET_GPU_POOL": "96", "MOET_HOST_TIER": "pagecache"}
-    drive(model, tmp_path, "writes-the-packs", env, prompts=2)
+    drive(fixture_moet, tmp_path, "writes-the-packs", env, prompts=2)
     corrupt_packs(cache)
     extra = [*GPU_DRIVER_FLAGS, "--max-num-seqs", str(SEQS)]
-    r = run_vllm(model, tmp_path, "corrupt", env=env, dtype="bfloat16", extra=extra,
+    r = run_vllm(fixture_moet, tmp_path, "corrupt", env=env, dtype="bfloat16", extra=extra,
                  prompts=fixture_prompts(2), check=False)  # fmt: skip
     assert r["returncode"] != 0, r["log"][-3000:]
     assert "the step's experts cannot be restored" in r["log"], r["log"][-3000:]

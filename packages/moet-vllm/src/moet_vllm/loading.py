@@ -77,14 +77,15 @@ class MoetLoadSession:
         packs: a cached layer is not read back, and None is returned."""
         t0 = time.perf_counter()
         ordinal = self.source.moe_layers.index(model_layer)
-        rows = None
         if keep:
             rows = self.cache.read_rows(ordinal)
-        elif ordinal in self.cache.cached_layers():
-            rows = np.zeros(0)
-        if rows is None:
-            secs = self.source.layer(model_layer)
-            rows = self._pack(secs)
+            cached = rows is not None
+        else:  # tiered: a cached layer stays in the packs, unread
+            rows, cached = None, ordinal in self.cache.cached_layers()
+        if cached:
+            self.from_pack += 1
+        else:
+            rows = self._pack(self.source.layer(model_layer))
             self.cache.write_rows(
                 ordinal, rows if isinstance(rows, np.ndarray) else rows.cpu().numpy()
             )
@@ -95,8 +96,6 @@ class MoetLoadSession:
                     f"from the pack files, but the pack cache is off ({self.cache.reason}); "
                     "give it a writable cache_dir with room for the experts, or gpu_pool='all'"
                 )
-        else:
-            self.from_pack += 1
         self.seconds += time.perf_counter() - t0
         self.pending.discard(model_layer)
         if not self.pending:
