@@ -5,8 +5,9 @@
 # Needs vLLM 0.24 importable: on the H200 machine, stage it first (docs/vllm.md, "Serving on a
 # GPU": ../shared/gpu/vllm-0.24/, into ~/site, which this script puts on PYTHONPATH). The
 # project's packages are installed for this call only (moet-store and the sm_90a cubins are built
-# here, for this machine's Python). Writes under $OUT (default bench/results/gpu/out):
-# gpu-tests.log, junit.xml and summary.json (counts, GPU, driver, torch, vLLM, commit, command);
+# here, for this machine's Python). Writes under $OUT (default bench/results/gpu/out): each
+# file's log, JUnit XML and exit status, its engines' logs, and summary.json (counts, GPU, driver,
+# torch, vLLM, commit, command);
 # commit summary.json as bench/results/gpu/<gpu>-<date>.json. The tree travels without .git:
 #     MOET_COMMIT=<sha of the code under test> bash ci/gpu.sh [pytest args]
 set -uo pipefail
@@ -15,8 +16,8 @@ cd "$root"
 out=${OUT:-bench/results/gpu/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-site=$(mktemp -d -t moet-site-XXXXXX)
-trap 'rm -rf "$site"' EXIT
+site=$(mktemp -d -t moet-site-XXXXXX) work=$(mktemp -d -t moet-gpu-XXXXXX)
+trap 'rm -rf "$site" "$work"' EXIT
 t0=$(date +%s)
 install() { python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target "$site" "$@"; }
 { install ./packages/moet-quant ./packages/moet-store ./packages/moet-vllm &&
@@ -28,26 +29,29 @@ export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
 python3 bench/provenance.py bash ci/gpu.sh "$@" >"$out/provenance.json"
 unset MOET_COMMIT  # provenance's, not a MoetConfig field: moet refuses unknown MOET_* variables
 t1=$(date +%s)
-# The GPU tests live in test_gpu_*.py. Side by side first (one pytest-xdist worker per file where
-# xdist is there, as on the H200 image: their engines take a fixed KV cache, no profiling), then
-# test_gpu_memory.py alone (vLLM's memory profiling measures the whole device). Arguments naming
-# test files replace both lists.
+# Each test file runs as its own pytest process, with its own log, JUnit file and exit status
+# under $out/files/, and its engines' logs under $out/engines/<file>/. The files run side by side
+# (their engines take a fixed KV cache, no profiling), then test_gpu_memory.py alone (vLLM's
+# memory profiling measures the whole device). A file past its time budget is interrupted (SIGINT:
+# pytest still reports what ran), so the command stays inside the device's 10-minute limit.
+# Arguments naming test files replace both lists; the others go to every pytest.
 alone=(packages/moet-vllm/tests/test_gpu_memory.py)
-parallel=()
+parallel=() args=() named=()
 for f in packages/*/tests/test_gpu_*.py; do [[ " ${alone[*]} " == *" $f "* ]] || parallel+=("$f"); done
-for a in "$@"; do [[ $a == *.py* ]] && parallel=() alone=(); done
-workers=()
-python3 -c "import xdist" 2>/dev/null && workers=(-n "${#parallel[@]}" --dist loadfile)
-suite() {  # junit file, then pytest arguments
-  local junit=$1; shift
-  python3 -m pytest -m gpu -p no:cacheprovider -rA --durations=0 -o junit_family=xunit1 \
-    --junitxml="$out/$junit" "$@"
+for a in "$@"; do if [[ $a == *.py || $a == *.py::* ]]; then named+=("$a"); else args+=("$a"); fi; done
+[ ${#named[@]} -eq 0 ] || { parallel=("${named[@]}"); alone=(); }
+mkdir -p "$out/files" "$out/engines"
+run_file() {  # budget in seconds, test file (or node id)
+  local name; name=$(basename "${2%%::*}" .py)
+  timeout -s INT -k 30 "$1" python3 -m pytest -m gpu -p no:cacheprovider -p no:xdist -rA \
+    --durations=0 -o junit_family=xunit1 --junitxml="$out/files/$name.xml" \
+    --basetemp="$work/$name" "$2" "${args[@]}" >"$out/files/$name.log" 2>&1
+  echo $? >"$out/files/$name.rc"
+  echo "ci/gpu: $name: $(tail -n 1 "$out/files/$name.log") (exit $(cat "$out/files/$name.rc"))"
+  mkdir -p "$out/engines/$name"
+  (cd "$work/$name" 2>/dev/null && find . -name '*.log' -size -4M -exec cp --parents {} "$out/engines/$name" \;)
 }
-{ suite junit.xml "${workers[@]}" "${parallel[@]}" "$@"; first=$?
-  [ ${#alone[@]} -eq 0 ] || suite junit-alone.xml "${alone[@]}"; second=$?
-  exit $((first || second)); } 2>&1 | tee "$out/gpu-tests.log"
-rc=${PIPESTATUS[0]}
-python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$out"/junit*.xml \
-  >"$out/summary.json"
-tail -n 12 "$out/summary.json"
-exit "$rc"
+for f in "${parallel[@]}"; do run_file 390 "$f" & done
+wait
+for f in "${alone[@]}"; do run_file 140 "$f"; done
+python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$out/files" "$out/summary.json"

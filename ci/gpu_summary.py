@@ -1,9 +1,13 @@
-"""The GPU suite's summary (ci/gpu.sh): pytest's JUnit XML + provenance -> one JSON.
+"""The GPU suite's summary (ci/gpu.sh): each test file's JUnit XML and exit status + provenance
+-> one JSON, and one line saying whether the run is green (the exit status says it too).
 
-    python3 ci/gpu_summary.py PROVENANCE.json WALL_SECONDS JUNIT.xml...
+    python3 ci/gpu_summary.py PROVENANCE.json WALL_SECONDS FILES_DIR SUMMARY.json
 
-Counts (passed, failed, errors, skipped), each test's outcome and time, and where it ran (GPU,
-driver, torch, vLLM, commit, command, date): what bench/results/gpu/ keeps for each run.
+FILES_DIR holds `<file>.xml` and `<file>.rc` for each test file ci/gpu.sh ran. The summary has
+the counts (passed, failed, errors, skipped), each test's outcome and time, the files that did not
+finish (interrupted past their time budget, or exited non-zero with no failure reported), and
+where it ran (GPU, driver, torch, vLLM, commit, command, date): what bench/results/gpu/ keeps.
+Green: tests passed, none failed, errored or skipped, and every file finished.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import json
 import sys
 import xml.etree.ElementTree as ET
 from importlib import metadata
+from pathlib import Path
+
+TIMED_OUT = 124  # timeout(1)'s exit status
 
 
 def outcome(case: ET.Element) -> str:
@@ -21,34 +28,52 @@ def outcome(case: ET.Element) -> str:
     return "passed"
 
 
-def main(provenance: str, wall_s: str, *junits: str) -> None:
-    cases = [c for j in junits for c in ET.parse(j).getroot().iter("testcase")]
-    tests = [
-        {
-            "test": f"{c.get('file') or c.get('classname')}::{c.get('name')}",
-            "outcome": outcome(c),
-            "seconds": round(float(c.get("time", 0)), 1),
-        }
-        for c in cases
-    ]
-    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error")}
-    counts["skipped"] = sum(t["outcome"] == "skipped" for t in tests)
+def main(provenance: str, wall_s: str, files_dir: str, out: str) -> int:
+    tests, unfinished = [], []
+    for rc_file in sorted(Path(files_dir).glob("*.rc")):
+        rc = int(rc_file.read_text())
+        junit = rc_file.with_suffix(".xml")
+        cases = list(ET.parse(junit).getroot().iter("testcase")) if junit.exists() else []
+        outcomes = [outcome(c) for c in cases]
+        tests += [
+            {
+                "test": f"{c.get('file') or c.get('classname')}::{c.get('name')}",
+                "outcome": o,
+                "seconds": round(float(c.get("time", 0)), 1),
+            }
+            for c, o in zip(cases, outcomes)
+        ]
+        if rc == TIMED_OUT or (rc != 0 and not {"failed", "error"} & set(outcomes)):
+            why = "past its time budget" if rc == TIMED_OUT else f"exit status {rc}"
+            unfinished.append({"file": rc_file.stem, "why": why})
+    counts = {
+        k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")
+    }
     try:
         vllm = metadata.version("vllm")
     except metadata.PackageNotFoundError:
         vllm = "not installed"
+    green = counts["passed"] > 0 and not (
+        counts["failed"] or counts["error"] or counts["skipped"] or unfinished
+    )
     summary = {
         "suite": "gpu (pytest -m gpu, ci/gpu.sh)",
         **counts,
-        "green": counts["passed"] > 0
-        and not (counts["failed"] or counts["error"] or counts["skipped"]),
+        "unfinished": unfinished,
+        "green": green,
         "wall_seconds": int(wall_s),
         "vllm": vllm,
-        "provenance": json.loads(open(provenance).read()),
+        "provenance": json.loads(Path(provenance).read_text()),
         "tests": tests,
     }
-    print(json.dumps(summary, indent=1))
+    Path(out).write_text(json.dumps(summary, indent=1) + "\n")
+    print(
+        f"ci/gpu: {'green' if green else 'NOT green'}: {counts['passed']} passed, "
+        f"{counts['failed']} failed, {counts['error']} errors, {counts['skipped']} skipped, "
+        f"{len(unfinished)} files unfinished, in {wall_s} s ({out})"
+    )
+    return 0 if green else 1
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    sys.exit(main(*sys.argv[1:]))

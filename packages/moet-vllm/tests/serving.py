@@ -97,12 +97,27 @@ def run_vllm(
     r = subprocess.run(
         cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
     )
+    (tmp_path / f"{name}.log").write_text(r.stdout + r.stderr)  # ci/gpu.sh keeps engine logs
     if not check and r.returncode != 0:
         return {"returncode": r.returncode, "log": r.stdout + r.stderr}
     assert r.returncode == 0, r.stderr[-4000:]
     result = json.loads(out.read_text())
     result["log"] = r.stdout + r.stderr
     return result
+
+
+def run_vllm_side_by_side(tmp_path, engines: dict[str, dict]) -> dict[str, dict]:
+    """run_vllm(tmp_path=tmp_path, name=name, **kwargs) for each {name: kwargs} of `engines`, all
+    at once (each engine is its own process; the GPU suite's engines take a fixed KV cache and
+    fit side by side) -> {name: result}; the first failure is raised once all have ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        futures = {
+            name: pool.submit(run_vllm, tmp_path=tmp_path, name=name, **kwargs)
+            for name, kwargs in engines.items()
+        }
+        return {name: f.result() for name, f in futures.items()}
 
 
 def hf_reference_tokens(

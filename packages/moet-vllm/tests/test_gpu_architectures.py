@@ -8,7 +8,7 @@ kernels' boot line is in both, and MTP drafts are accepted."""
 from __future__ import annotations
 
 import pytest
-from serving import GPU_DRIVER_FLAGS, GPU_KV_FLAGS, KERNEL_LINE, run_vllm
+from serving import GPU_DRIVER_FLAGS, GPU_KV_FLAGS, KERNEL_LINE, run_vllm_side_by_side
 from tiny_models import ARCHS, write_tiny_model
 
 from moet_quant import convert
@@ -24,10 +24,12 @@ def test_serves_through_the_kernels_in_cuda_graphs_as_it_does_eagerly(arch, tmp_
     ).out
     mtp = 1 if arch == "glm4_moe" else 0
     seqs = ["--max-num-seqs", "2"]
-    kv = GPU_KV_FLAGS
-    graphs = run_vllm(moet, tmp_path, "graphs", dtype="bfloat16", mtp=mtp,
-                      extra=[*GPU_DRIVER_FLAGS, *seqs])  # fmt: skip
-    eager = run_vllm(moet, tmp_path, "eager", dtype="bfloat16", mtp=mtp, extra=[*kv, *seqs])
+    both = {"model": moet, "dtype": "bfloat16", "mtp": mtp}
+    runs = run_vllm_side_by_side(tmp_path, {
+        "graphs": {**both, "extra": [*GPU_DRIVER_FLAGS, *seqs]},
+        "eager": {**both, "extra": [*GPU_KV_FLAGS, *seqs]},
+    })  # fmt: skip
+    graphs, eager = runs["graphs"], runs["eager"]
     assert KERNEL_LINE in graphs["log"] and EAGER_LINE in eager["log"]
     assert graphs["tokens"] == eager["tokens"]
     if mtp:

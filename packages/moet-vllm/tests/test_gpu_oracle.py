@@ -27,7 +27,7 @@ from serving import (
     GPU_DRIVER_FLAGS,
     GPU_KV_FLAGS,
     KERNEL_LINE,
-    run_vllm,
+    run_vllm_side_by_side,
 )
 
 pytestmark = pytest.mark.gpu
@@ -63,15 +63,13 @@ def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(fixture_moe
     model = fixture_moet
     keys, prompt = split_prompt()
     forced = ["--max-model-len", "1024", "--prompt-logprobs", "--max-num-seqs", "1"]
-    kv = GPU_KV_FLAGS
-    runs = {
-        "kernel": run_vllm(model, tmp_path, "kernel", dtype="bfloat16", prompts=[prompt],
-                           extra=[*forced, *GPU_DRIVER_FLAGS]),
-        "oracle": run_vllm(model, tmp_path, "oracle", dtype="bfloat16", prompts=[prompt],
-                           extra=[*forced, *kv], env={"MOET_COMPUTE": "oracle"}),
-        "bf16": run_vllm(FIXTURE, tmp_path, "bf16", dtype="bfloat16", prompts=[prompt],
-                         extra=[*forced, *GPU_DRIVER_FLAGS]),
-    }  # fmt: skip
+    same = {"dtype": "bfloat16", "prompts": [prompt]}
+    runs = run_vllm_side_by_side(tmp_path, {
+        "kernel": {**same, "model": model, "extra": [*forced, *GPU_DRIVER_FLAGS]},
+        "oracle": {**same, "model": model, "extra": [*forced, *GPU_KV_FLAGS],
+                   "env": {"MOET_COMPUTE": "oracle"}},
+        "bf16": {**same, "model": FIXTURE, "extra": [*forced, *GPU_DRIVER_FLAGS]},
+    })  # fmt: skip
     assert KERNEL_LINE in runs["kernel"]["log"]
     assert "moet-kernels' torch reference in kernel mode on cuda:0" in runs["oracle"]["log"]
     kernel, oracle, bf16 = (runs[k]["prompt_top2"][0] for k in ("kernel", "oracle", "bf16"))

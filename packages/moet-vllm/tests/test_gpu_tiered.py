@@ -9,7 +9,7 @@ prerequisite fails, never skips.
 
 from __future__ import annotations
 
-from pathlib import Path
+import shutil
 
 import pytest
 from serving import (
@@ -18,6 +18,7 @@ from serving import (
     corrupt_packs,
     fixture_prompts,
     run_vllm,
+    run_vllm_side_by_side,
 )
 
 from moet_vllm.residency.sizing import boot_floor
@@ -27,51 +28,40 @@ SEQS = 4  # max_num_seqs of the comparisons: 8 prompts, 4 decoding together
 FLOOR = boot_floor(3, 4, 1, SEQS)  # 56 of the fixture's 192 (layer, expert) pairs
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gpu-packs")
+def drive(model, env, prompts=8) -> dict:
+    """run_vllm's arguments of one engine: GPU_DRIVER_FLAGS, greedy, bfloat16."""
+    return {
+        "model": model, "env": env, "dtype": "bfloat16", "prompts": fixture_prompts(prompts),
+        "extra": [*GPU_DRIVER_FLAGS, "--max-num-seqs", str(SEQS)],
+    }  # fmt: skip
 
 
-def drive(model, tmp_path, name, env=None, prompts=8, seqs=SEQS) -> dict:
-    """One engine (vllm_driver.py, its own process): GPU_DRIVER_FLAGS, greedy, bfloat16."""
-    return run_vllm(
-        model, tmp_path, name, env=env, dtype="bfloat16",
-        extra=[*GPU_DRIVER_FLAGS, "--max-num-seqs", str(seqs)], prompts=fixture_prompts(prompts),
-    )  # fmt: skip
-
-
-# --- tiered residency against all-resident ------------------------------------------------------
+POOLS = {"50%": "96", "the-floor": str(FLOOR), "below-the-floor": str(FLOOR - 16)}
 
 
 @pytest.fixture(scope="module")
-def resident(fixture_moet, cache, tmp_path_factory) -> dict:
-    """gpu_pool=all: every expert resident in native rows, through the same op and layout."""
-    run = drive(
-        fixture_moet,
-        tmp_path_factory.mktemp("resident"),
-        "resident",
-        {"MOET_CACHE_DIR": str(cache)},
-    )
-    assert KERNEL_LINE in run["log"]
-    return run
+def engines(fixture_moet, tmp_path_factory) -> dict:
+    """All-resident (gpu_pool=all: every expert in native rows, through the same op and layout)
+    and each of POOLS, side by side; each engine with a pack cache of its own (`<name>-packs`),
+    so no hot set saved by another run warms a pool up."""
+    tmp = tmp_path_factory.mktemp("tiered")
+    runs = {"resident": {}, **{name: {"MOET_GPU_POOL": pool} for name, pool in POOLS.items()}}
+    runs["below-the-floor"]["MOET_BELOW_FLOOR_OK"] = "1"
+    for name, env in runs.items():
+        env.update({"MOET_CACHE_DIR": str(tmp / f"{name}-packs"), "MOET_KPI_EVERY": "1"})
+    runs = run_vllm_side_by_side(tmp, {n: drive(fixture_moet, env) for n, env in runs.items()})
+    for name, run in runs.items():
+        assert KERNEL_LINE in run["log"], (name, run["log"][-3000:])
+        run["packs"] = tmp / f"{name}-packs"
+    return runs
 
 
-@pytest.mark.parametrize(
-    "pool, extra_env",
-    [("96", {}), (str(FLOOR), {}), (str(FLOOR - 16), {"MOET_BELOW_FLOOR_OK": "1"})],
-    ids=["50%", "the-floor", "below-the-floor"],
-)
-def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(
-    fixture_moet, resident, tmp_path, pool, extra_env
-):
+@pytest.mark.parametrize("name", POOLS)
+def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(engines, name):
     """A pool of 50%, of the boot floor, and below it (consented): every generated token and its
     logprob equals the all-resident engine's, bit for bit, and the pool did miss: replayed
     steps and fetched experts are counted (a run that never missed cannot pass)."""
-    # a cache of its own: no hot set saved by another run warms this pool up
-    env = {"MOET_CACHE_DIR": str(tmp_path / "packs"), "MOET_GPU_POOL": pool, "MOET_KPI_EVERY": "1"}
-    env.update(extra_env)
-    tiered = drive(fixture_moet, tmp_path, f"tiered-{pool}", env)
-    assert KERNEL_LINE in tiered["log"]
+    tiered, resident, pool = engines[name], engines["resident"], POOLS[name]
     assert f"tiered residency: {pool} expert slots for 3 MoE layers x 64 experts" in tiered["log"]
     assert tiered["tokens"] == resident["tokens"]
     assert tiered["logprobs"] == resident["logprobs"]
@@ -82,20 +72,25 @@ def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(
     print(f"pool {pool}: {counters}")
 
 
-def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(fixture_moet, tmp_path):
-    """Fail closed (strict, the default): the packs of a first run are corrupted on disk (one
-    byte of every row flipped: each row's checksum no longer matches) and the hot set removed, so
-    a second boot reads the packs only when a step misses, from the page cache; the first fetch
-    fails its checks, is retried, and the step fails: the engine stops with moet's message and
-    no output is written, so no zeroed-expert token is ever returned (test_vllm_tiered.py runs
-    the same on CPU)."""
+def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(
+    fixture_moet, engines, tmp_path
+):
+    """Fail closed (strict, the default): the packs of the 50% run are copied and corrupted on
+    disk (one byte of every row flipped: each row's checksum no longer matches) and the hot set
+    removed, so a boot reads the packs only when a step misses, from the page cache; the first
+    fetch fails its checks, is retried, and the step fails: the engine stops with moet's message
+    and no output is written, so no zeroed-expert token is ever returned (test_vllm_tiered.py
+    runs the same on CPU)."""
     cache = tmp_path / "packs"
-    env = {"MOET_CACHE_DIR": str(cache), "MOET_GPU_POOL": "96", "MOET_HOST_TIER": "pagecache"}
-    drive(fixture_moet, tmp_path, "writes-the-packs", env, prompts=2)
+    shutil.copytree(engines["50%"]["packs"], cache)
     corrupt_packs(cache)
-    extra = [*GPU_DRIVER_FLAGS, "--max-num-seqs", str(SEQS)]
-    r = run_vllm(fixture_moet, tmp_path, "corrupt", env=env, dtype="bfloat16", extra=extra,
-                 prompts=fixture_prompts(2), check=False)  # fmt: skip
+    env = {
+        "MOET_CACHE_DIR": str(cache),
+        "MOET_GPU_POOL": POOLS["50%"],
+        "MOET_HOST_TIER": "pagecache",
+    }
+    args = drive(fixture_moet, env, prompts=2)
+    r = run_vllm(tmp_path=tmp_path, name="corrupt", check=False, **args)
     assert r["returncode"] != 0, r["log"][-3000:]
     assert "the step's experts cannot be restored" in r["log"], r["log"][-3000:]
     assert not (tmp_path / "corrupt.json").exists()
