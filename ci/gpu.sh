@@ -5,9 +5,9 @@
 # Needs vLLM 0.24 importable: on the H200 machine, stage it first (docs/vllm.md, "Serving on a
 # GPU": ../shared/gpu/vllm-0.24/, into ~/site, which this script puts on PYTHONPATH). The
 # project's packages are installed for this call only (moet-store and the sm_90a cubins are built
-# here, for this machine's Python). Writes under $OUT (default bench/results/gpu/out): each
-# file's log, JUnit XML and exit status, its engines' logs, and summary.json (counts, GPU, driver,
-# torch, vLLM, commit, command);
+# here, for this machine's Python). Writes under $OUT (default bench/results/gpu/out):
+# install.log, provenance.json, gpu-tests.log, logs.tar.gz (below) and summary.json (counts, GPU,
+# driver, torch, vLLM, commit, command);
 # commit summary.json as bench/results/gpu/<gpu>-<date>.json. The tree travels without .git:
 #     MOET_COMMIT=<sha of the code under test> bash ci/gpu.sh [pytest args]
 set -uo pipefail
@@ -30,7 +30,8 @@ python3 bench/provenance.py bash ci/gpu.sh "$@" >"$out/provenance.json"
 unset MOET_COMMIT  # provenance's, not a MoetConfig field: moet refuses unknown MOET_* variables
 t1=$(date +%s)
 # Each test file runs as its own pytest process, with its own log, JUnit file and exit status
-# under $out/files/, and its engines' logs under $out/engines/<file>/. The files run side by side
+# (files/) and its engines' logs (engines/<file>/), all packed into $out/logs.tar.gz (the device
+# machine returns at most 8 files); $out/gpu-tests.log has every file's output. They run side by side
 # (their engines take a fixed KV cache, no profiling), then test_gpu_memory.py alone (vLLM's
 # memory profiling measures the whole device). A file past its time budget is interrupted (SIGINT:
 # pytest still reports what ran), so the command stays inside the device's 10-minute limit.
@@ -40,18 +41,21 @@ parallel=() args=() named=()
 for f in packages/*/tests/test_gpu_*.py; do [[ " ${alone[*]} " == *" $f "* ]] || parallel+=("$f"); done
 for a in "$@"; do if [[ $a == *.py || $a == *.py::* ]]; then named+=("$a"); else args+=("$a"); fi; done
 [ ${#named[@]} -eq 0 ] || { parallel=("${named[@]}"); alone=(); }
-mkdir -p "$out/files" "$out/engines"
+res=$work/results
+mkdir -p "$res/files" "$res/engines"
 run_file() {  # budget in seconds, test file (or node id)
   local name; name=$(basename "${2%%::*}" .py)
   timeout -s INT -k 30 "$1" python3 -m pytest -m gpu -p no:cacheprovider -p no:xdist -rA \
-    --durations=0 -o junit_family=xunit1 --junitxml="$out/files/$name.xml" \
-    --basetemp="$work/$name" "$2" "${args[@]}" >"$out/files/$name.log" 2>&1
-  echo $? >"$out/files/$name.rc"
-  echo "ci/gpu: $name: $(tail -n 1 "$out/files/$name.log") (exit $(cat "$out/files/$name.rc"))"
-  mkdir -p "$out/engines/$name"
-  (cd "$work/$name" 2>/dev/null && find . -name '*.log' -size -4M -exec cp --parents {} "$out/engines/$name" \;)
+    --durations=0 -o junit_family=xunit1 --junitxml="$res/files/$name.xml" \
+    --basetemp="$work/$name" "$2" "${args[@]}" >"$res/files/$name.log" 2>&1
+  echo $? >"$res/files/$name.rc"
+  echo "ci/gpu: $name: $(tail -n 1 "$res/files/$name.log") (exit $(cat "$res/files/$name.rc"))"
+  mkdir -p "$res/engines/$name"
+  (cd "$work/$name" 2>/dev/null && find . -name '*.log' -size -4M -exec cp --parents {} "$res/engines/$name" \;)
 }
 for f in "${parallel[@]}"; do run_file 390 "$f" & done
 wait
 for f in "${alone[@]}"; do run_file 140 "$f"; done
-python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$out/files" "$out/summary.json"
+for f in "$res"/files/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$out/gpu-tests.log"
+tar czf "$out/logs.tar.gz" -C "$res" files engines
+python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$res/files" "$out/summary.json"

@@ -1,37 +1,51 @@
 """The tiny architectures of the CPU suite on a GPU (marker `gpu`, run by ci/gpu.sh on the
 H200): Qwen3-MoE, Mixtral, DeepSeek-V3 (MLA: kv_lora_rank 512 + rope 64, the 576 of vLLM's MLA
 backends) and GLM-4.5 with its MTP layer (one speculative token), each converted by `moet convert`
-and served in bfloat16 with moet-kernels, once with vLLM's compilation and CUDA graphs and once
-eager: the graphs give the eager tokens (a captured step replays the kernels eager runs), the
-kernels' boot line is in both, and MTP drafts are accepted."""
+and served in bfloat16 with moet-kernels under vLLM's compilation, once with CUDA graphs and once
+without (cudagraph_mode NONE: the same compiled code, launched eagerly): a captured step replays
+what the uncaptured one computes, so tokens and logprobs are equal bit for bit, and the MTP layer
+drafts. Graphs are captured at batch sizes 1 and 2 only, the sizes the decode batches have, so no
+step is padded (a padded step computes its GEMMs at another shape, which moves bf16 results).
+Eager mode (no torch.compile) is not compared: compiled and uncompiled bf16 differ in fusion, and
+the random tiny models' near-tied logits turn that into other tokens."""
 
 from __future__ import annotations
 
 import pytest
-from serving import GPU_DRIVER_FLAGS, GPU_KV_FLAGS, KERNEL_LINE, run_vllm_side_by_side
+from serving import GPU_KV_FLAGS, KERNEL_LINE, run_vllm_side_by_side
 from tiny_models import ARCHS, write_tiny_model
 
 from moet_quant import convert
 
 pytestmark = pytest.mark.gpu
-EAGER_LINE = "moet: compute: moet-kernels (sm_90a cubins) on cuda:0, eager (no CUDA graphs)"
+UNCAPTURED_LINE = "moet: compute: moet-kernels (sm_90a cubins) on cuda:0, eager (no CUDA graphs)"
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict:
+    """{(arch, "graphs" | "uncaptured"): run}: every engine of every architecture side by side."""
+    tmp = tmp_path_factory.mktemp("archs")
+    jobs = {}
+    for arch in ARCHS:
+        moet = convert.convert(
+            write_tiny_model(arch, tmp / arch), tmp / f"{arch}-moet", progress=False
+        ).out
+        mtp = 1 if arch == "glm4_moe" else 0
+        # decode batches of 2 tokens: 2 sequences, or 1 and its draft (captured as one FULL graph)
+        seqs = "1" if mtp else "2"
+        flags = ["--graphs", "1", "2", *GPU_KV_FLAGS, "--max-num-seqs", seqs]
+        both = {"model": moet, "dtype": "bfloat16", "mtp": mtp}
+        jobs[f"{arch}-graphs"] = {**both, "extra": flags}
+        jobs[f"{arch}-uncaptured"] = {**both, "extra": [*flags, "--no-cuda-graphs"]}
+    return run_vllm_side_by_side(tmp, jobs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_serves_through_the_kernels_in_cuda_graphs_as_it_does_eagerly(arch, tmp_path):
-    moet = convert.convert(
-        write_tiny_model(arch, tmp_path / arch), tmp_path / f"{arch}-moet", progress=False
-    ).out
-    mtp = 1 if arch == "glm4_moe" else 0
-    seqs = ["--max-num-seqs", "2"]
-    both = {"model": moet, "dtype": "bfloat16", "mtp": mtp}
-    runs = run_vllm_side_by_side(tmp_path, {
-        "graphs": {**both, "extra": [*GPU_DRIVER_FLAGS, *seqs]},
-        "eager": {**both, "extra": [*GPU_KV_FLAGS, *seqs]},
-    })  # fmt: skip
-    graphs, eager = runs["graphs"], runs["eager"]
-    assert KERNEL_LINE in graphs["log"] and EAGER_LINE in eager["log"]
-    assert graphs["tokens"] == eager["tokens"]
-    if mtp:
-        accepted = graphs["spec_decode"].get("vllm:spec_decode_num_accepted_tokens", 0)
-        assert accepted > 0, graphs["spec_decode"]
+def test_a_captured_step_computes_what_the_uncaptured_one_does(arch, engines):
+    graphs, uncaptured = engines[f"{arch}-graphs"], engines[f"{arch}-uncaptured"]
+    assert KERNEL_LINE in graphs["log"] and UNCAPTURED_LINE in uncaptured["log"]
+    assert graphs["tokens"] == uncaptured["tokens"]
+    assert graphs["logprobs"] == uncaptured["logprobs"]
+    if arch == "glm4_moe":  # random weights: acceptance near zero (test_vllm_serving.py)
+        assert graphs["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0, graphs
+        print("MTP:", graphs["spec_decode"])

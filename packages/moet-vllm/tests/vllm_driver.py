@@ -44,9 +44,10 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="skips profiling")
     ap.add_argument(
         "--prompt-logprobs",
-        action="store_true",
-        help="teacher forcing: one generated token, and each prompt position's top-2 "
-        "(token, logprob) as 'prompt_top2'",
+        type=int,
+        metavar="K",
+        help="teacher forcing: one generated token, and at each prompt position after the first "
+        "its top K and the prompt's own token, as 'prompt_logprobs'",
     )
     ap.add_argument(
         "--graphs",
@@ -55,6 +56,12 @@ def main() -> None:
         default=None,
         help="CUDA graphs on (vLLM's default compilation), captured at these batch sizes "
         "(none given: vLLM's default sizes); without the flag: enforce_eager",
+    )
+    ap.add_argument(
+        "--no-cuda-graphs",
+        action="store_true",
+        help="with --graphs: vLLM's compilation, but no CUDA graph is captured or replayed "
+        "(cudagraph_mode NONE): the same compiled code, launched eagerly",
     )
     ap.add_argument(
         "--gpu-memory-utilization",
@@ -83,6 +90,13 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if args.no_cuda_graphs and args.graphs is None:
+        ap.error("--no-cuda-graphs goes with --graphs (without it the engine is eager)")
+    compilation = {}
+    if args.graphs:
+        compilation["cudagraph_capture_sizes"] = args.graphs
+    if args.no_cuda_graphs:
+        compilation["cudagraph_mode"] = "NONE"
     t0 = time.perf_counter()
     spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else None
     llm = LLM(
@@ -90,7 +104,7 @@ def main() -> None:
         skip_tokenizer_init=True,
         dtype=args.dtype,
         enforce_eager=args.graphs is None,
-        **({"compilation_config": {"cudagraph_capture_sizes": args.graphs}} if args.graphs else {}),
+        **({"compilation_config": compilation} if compilation else {}),
         max_model_len=args.max_model_len,
         seed=0,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
@@ -120,21 +134,20 @@ def main() -> None:
         ignore_eos=True,
         detokenize=False,
         logprobs=1,
-        prompt_logprobs=2 if args.prompt_logprobs else None,
+        prompt_logprobs=args.prompt_logprobs,
     )
     t1 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in todo], sp)
     generate = time.perf_counter() - t1
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    prompt_top2 = [  # per prompt position after the first: [[token, logprob] of rank 1, of rank 2]
+    prompt_logprobs = [  # per prompt position after the first: [[token, logprob, rank], ...]
         [
-            [[t, lp.logprob] for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank)
-             if lp.rank in (1, 2)]
+            sorted(([t, lp.logprob, lp.rank] for t, lp in pos.items()), key=lambda x: x[2])
             for pos in o.prompt_logprobs[1:]
         ]
         for o in outs
         if o.prompt_logprobs
-    ]  # fmt: skip
+    ]
     logprobs = [  # of the sampled token, as vLLM computed it
         [step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
         for o in outs
@@ -154,7 +167,7 @@ def main() -> None:
             {
                 "tokens": tokens,
                 "logprobs": logprobs,
-                "prompt_top2": prompt_top2,
+                "prompt_logprobs": prompt_logprobs,
                 "kv_cache_tokens": cache.num_gpu_blocks * cache.block_size,
                 "init_seconds": init,
                 "generate_seconds": generate,
