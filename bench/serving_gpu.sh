@@ -14,6 +14,8 @@
 # `python3 bench/serving_gpu.py summarize DIR` there for the whole table.
 #     MOET_COMMIT=<sha> bash bench/serving_gpu.sh [ENGINE ...] [-- serving_gpu.py options]
 #     e.g. bash bench/serving_gpu.sh stock-bf16; bash bench/serving_gpu.sh moet -- --batches 1 8
+#     tiered (one pool per command, against moet's all-resident run of the same routing):
+#     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool 80%
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

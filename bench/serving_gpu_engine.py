@@ -50,13 +50,13 @@ Limits: the router must be unquantized floating point at load (GLM-4.5's fp32 ga
 quantized; Qwen3-MoE's gate is quantized by `quantization="fp8"`, which `impose` refuses); tied
 embeddings are refused; n_blocks = (H - H/4) // E base layers fit (GLM-4.5-Air-12l: all 11 MoE
 layers; deeper shapes reuse blocks under a permutation, which keeps D per layer exact but
-correlates layers); tiered residency (experts in moet-store packs) needs a synthetic expert
-source, not built yet.
+correlates layers); the synthetic expert source (tiered residency) has no tensor parallelism.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from dataclasses import dataclass
 
@@ -280,9 +280,10 @@ def impose(model, spec: dict) -> dict:
     process_weights_after_loading. Returns a small report."""
     layers = _moe_layers(model)
     n_moe = len(layers)
+    MOE_LAYERS[:] = [i for i, _, _ in layers]
     if spec["profile"] == "dummy":  # the control: vLLM's dummy routing, moet's experts only
         done = sum(
-            synthetic_experts(r.routed_experts, spec["seed"] * 1000 + i)
+            synthetic_experts(r.routed_experts, layer_seed(spec["seed"], i))
             for i, _, r in layers
             if is_moet(r.routed_experts)
         )
@@ -317,28 +318,93 @@ def impose(model, spec: dict) -> dict:
             raise RuntimeError(f"model layer {idx} has no post_attention_layernorm")
         norm.weight.fill_(1.0)
         if is_moet(runner.routed_experts):
-            moet_layers += synthetic_experts(runner.routed_experts, spec["seed"] * 1000 + idx)
+            moet_layers += synthetic_experts(runner.routed_experts, layer_seed(spec["seed"], idx))
     inner.norm.weight.fill_(1.0)
     nb = d.base_ids.shape[1]
     return {"moe_layers": n_moe, "blocks": nb, "moet_layers": moet_layers, "rms_e": pw["rms_e"]}
 
 
-def synthetic_experts(experts, seed: int) -> int:
-    """moet's logical W2 parameters of one layer: uniform code bytes, trained-shaped UE8M0 scales
-    (moet_kernels.testing.random_scales "trained"). 0 where the layer holds no experts."""
+def synthetic_sections(shapes: dict[str, tuple], seed: int, device) -> dict[str, torch.Tensor]:
+    """moet's logical W2 sections of one layer ({section: [E, ...] shape}): uniform code bytes,
+    trained-shaped UE8M0 scales (moet_kernels.testing.random_scales "trained")."""
     from moet_kernels.testing import random_scales
 
-    codes = [experts.w13_w2_codes, experts.w2_w2_codes]
-    scales = [experts.w13_w2_scales, experts.w2_w2_scales]
-    if codes[0].shape[0] == 0:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name in ("w13_codes", "w2_codes"):
+        out[name] = torch.randint(
+            0, 256, shapes[name], dtype=torch.uint8, device=device, generator=gen
+        )
+    for name in ("w13_scales", "w2_scales"):
+        out[name] = random_scales(shapes[name], "trained", gen, device)
+    return out
+
+
+def layer_seed(seed: int, model_layer: int) -> int:
+    return seed * 1000 + model_layer
+
+
+def synthetic_experts(experts, seed: int) -> int:
+    """Fill one layer's logical W2 parameters with `synthetic_sections`; 0 where the layer holds
+    no experts (tiered residency: they come from SyntheticSource, through the packs)."""
+    from moet_vllm.method import PARAMS
+
+    params = {section: getattr(experts, name) for section, name in PARAMS.items()}
+    if params["w13_codes"].shape[0] == 0:
         return 0
-    dev = codes[0].device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    for p in codes:
-        p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8, device=dev, generator=gen))
-    for p in scales:
-        p.copy_(random_scales(tuple(p.shape), "trained", gen, dev))
+    shapes = {k: tuple(p.shape) for k, p in params.items()}
+    for k, t in synthetic_sections(shapes, seed, params["w13_codes"].device).items():
+        params[k].copy_(t)
     return 1
+
+
+# the model layers of the engine's MoE layers, recorded by `impose` (which runs before moet's
+# process_weights_after_loading opens the expert source)
+MOE_LAYERS: list[int] = []
+
+
+def _register_source() -> None:
+    from moet_kernels.layout import RowLayout
+    from moet_quant.checkpoint import read_config, text_config
+    from moet_vllm.experts import ExpertSource, register_source
+
+    class SyntheticSource(ExpertSource):
+        """The same synthetic experts as `synthetic_experts` (equal bytes for a seed), one layer
+        at a time, for the pack cache of tiered residency; no file holds them."""
+
+        kind = "synthetic, made at load"
+
+        def __init__(self, path, cfg, tp_rank, tp_size):
+            super().__init__(path, cfg, tp_rank, tp_size)
+            if tp_size != 1:
+                raise RuntimeError(
+                    "the benchmark's synthetic experts: tensor parallelism is not built"
+                )
+            config = read_config(path)
+            text = text_config(config)
+            self.seed = int(config["quantization_config"]["expert_source"]["seed"])
+            self.n_experts = text.get("n_routed_experts") or text["num_experts"]
+            self.hidden, self.inter = text["hidden_size"], text["moe_intermediate_size"]
+            if not MOE_LAYERS:
+                raise RuntimeError("SyntheticSource: the loader recorded no MoE layer")
+            self.moe_layers = list(MOE_LAYERS)
+            ident = json.dumps([text, self.seed], sort_keys=True).encode()
+            self.ckpt_id = "synthetic-" + hashlib.sha256(ident).hexdigest()[:16]
+            self.source_format = "synthetic W2 (bench/serving_gpu_engine.py)"
+
+        def layer(self, model_layer: int) -> dict[str, np.ndarray]:
+            shapes = {
+                name: (self.n_experts, *shape)
+                for name, (_, shape) in RowLayout(self.hidden, self.inter).sections.items()
+            }
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            secs = synthetic_sections(shapes, layer_seed(self.seed, model_layer), dev)
+            return {k: v.cpu().numpy() for k, v in secs.items()}
+
+        def close(self) -> None:
+            pass
+
+    register_source(LOAD_FORMAT, SyntheticSource)
 
 
 def _register_loader() -> None:
@@ -407,9 +473,13 @@ class BenchWorker:
             res = getattr(ex.quant_method, "resident", None)
             if res is not None:
                 b += res.rows.numel()
+            tiered = is_moet(ex) and res is None and ex.w13_w2_codes.shape[0] == 0
+            if tiered:  # the rows live in the pool and the packs: a step moves whole rows
+                b = spec["n_experts"] * NativeRowLayout(ex.quant_method.hidden,
+                                                        ex.quant_method.inter).row_bytes  # fmt: skip
             routed += b
             per_layer_expert_bytes.append(b / spec["n_experts"])
-            if is_moet(ex):
+            if is_moet(ex) and not tiered:  # tiered: the resident run of the seed has the bytes
                 qm = ex.quant_method
                 compute.add(qm.compute)
                 lay = NativeRowLayout(qm.hidden, qm.inter)
@@ -453,6 +523,20 @@ class BenchWorker:
         out["capture_sizes"] = list(getattr(cc, "cudagraph_capture_sizes", None) or [])
         out["compilation_mode"] = str(getattr(cc, "mode", getattr(cc, "level", None)))
         return out
+
+    def bench_residency(self) -> dict | None:
+        """Tiered residency's counters since boot (moet_vllm.residency.manager.Counters), or None
+        where every expert is resident."""
+        import dataclasses
+
+        from moet_vllm.residency.manager import active
+
+        mgr = active()
+        if mgr is None:
+            return None
+        out = dataclasses.asdict(mgr.counters)
+        out.pop("window")
+        return out | {"slots": mgr.n_slots, "coverage": mgr.coverage}
 
     def bench_record(self, on: bool) -> int:
         """Start (clearing what was recorded) or stop recording each MoE layer's routing: the
@@ -536,3 +620,4 @@ def _install(model, rec: _Recorder) -> None:
 
 
 _register_loader()
+_register_source()

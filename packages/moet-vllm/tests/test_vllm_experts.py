@@ -76,3 +76,42 @@ def test_interrupted_conversion_is_refused(tmp_path):
     (out / ".moet-convert.json").write_text('{"complete": false, "shards": {}}')
     with pytest.raises(MoetError, match="interrupted moet conversion"):
         ExpertSource.open(out, CFG)
+
+
+def test_a_named_expert_source_is_the_registered_one_or_refused(tmp_path):
+    """A checkpoint's quantization_config may name its `expert_source` (experts in no file, as
+    the benchmark's synthetic ones): the class registered under that name serves it; a name not
+    registered is refused, naming the file, what was found and what is registered."""
+    import json
+
+    from moet_vllm import experts
+
+    model = tmp_path / "m"
+    model.mkdir()
+    qc = {"quant_method": "moet", "expert_source": {"name": "test-constant", "value": 7}}
+    (model / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 1, "quantization_config": qc})
+    )
+    with pytest.raises(MoetVllmError, match=r"config.json: quantization_config.expert_source .*"
+                       r"'test-constant'.*registered: none"):  # fmt: skip
+        ExpertSource.open(model, CFG)
+
+    class Constant(ExpertSource):
+        def __init__(self, path, cfg, tp_rank, tp_size):
+            super().__init__(path, cfg, tp_rank, tp_size)
+            self.value = json.loads((path / "config.json").read_text())["quantization_config"][
+                "expert_source"
+            ]["value"]
+
+        def layer(self, model_layer):
+            return {"w13_codes": np.full((1, 1), self.value, np.uint8)}
+
+        def close(self):
+            pass
+
+    experts.register_source("test-constant", Constant)
+    try:
+        src = ExpertSource.open(model, CFG)
+        assert isinstance(src, Constant) and src.layer(0)["w13_codes"][0, 0] == 7
+    finally:
+        experts._REGISTERED.pop("test-constant")

@@ -118,7 +118,7 @@ CHECKPOINT_FIELDS = USER_FIELDS + (
     "source_quantization_config",
 )
 # keys a moet checkpoint's quantization_config carries that are not MoetConfig fields
-CHECKPOINT_ONLY_KEYS = ("quant_method", "block_size", "moet_quant_version")
+CHECKPOINT_ONLY_KEYS = ("quant_method", "block_size", "moet_quant_version", "expert_source")
 
 
 def env_name(name: str) -> str:

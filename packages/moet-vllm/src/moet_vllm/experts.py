@@ -6,6 +6,11 @@ layouts, NVFP4, MXFP4, INT4). `layer(model_layer)` returns the four sections of
 `moet_kernels.layout.RowLayout` for every expert, sharded for tensor parallelism along the expert
 intermediate dimension: w13 (gate over up) takes rows, w2 (down) takes columns of K. Peak memory is
 one layer of this rank's W2 data plus one source projection.
+
+A checkpoint whose `quantization_config` names an `expert_source` (`{"name": ..., ...}`) gets
+the source registered under that name in the process (`register_source`): experts that exist in
+no file, such as the benchmark path's synthetic ones (bench/serving_gpu_engine.py), reach the pack
+cache and tiered residency through the same interface.
 """
 
 from __future__ import annotations
@@ -104,7 +109,20 @@ class ExpertSource(ABC):
     def open(path: str | Path, cfg: MoetConfig, tp_rank: int = 0, tp_size: int = 1) -> ExpertSource:
         path = Path(path)
         qc = read_config(path).get("quantization_config") or {}
-        cls = MoetCheckpointSource if qc.get("quant_method") == "moet" else OfficialSource
+        named = qc.get("expert_source")
+        if named is not None:
+            name = named.get("name") if isinstance(named, dict) else None
+            if name not in _REGISTERED:
+                raise MoetVllmError(
+                    f"{path / 'config.json'}: quantization_config.expert_source is {named!r}; "
+                    f"expected {{'name': <a source registered in this process>, ...}}, "
+                    f"registered: {sorted(_REGISTERED) or 'none'} (register_source adds one)"
+                )
+            cls = _REGISTERED[name]
+        elif qc.get("quant_method") == "moet":
+            cls = MoetCheckpointSource
+        else:
+            cls = OfficialSource
         return cls(path, cfg, tp_rank, tp_size)
 
     def row_layout(self, native: bool) -> RowLayout | NativeRowLayout:
@@ -231,4 +249,20 @@ class MoetCheckpointSource(ExpertSource):
         self.st.close()
 
 
-__all__ = ["ExpertSource", "MoetCheckpointSource", "OfficialSource", "shard_w2", "stack_sections"]
+_REGISTERED: dict[str, type[ExpertSource]] = {}
+
+
+def register_source(name: str, cls: type[ExpertSource]) -> None:
+    """Serve checkpoints whose quantization_config says `"expert_source": {"name": name, ...}`
+    from `cls` (constructed as ExpertSource subclasses are, with the checkpoint's path)."""
+    _REGISTERED[name] = cls
+
+
+__all__ = [
+    "ExpertSource",
+    "MoetCheckpointSource",
+    "OfficialSource",
+    "register_source",
+    "shard_w2",
+    "stack_sections",
+]
