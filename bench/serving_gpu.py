@@ -202,7 +202,6 @@ def engine_env(args) -> None:
     if not has_cuda():
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.pop("MOET_COMMIT", None)  # provenance's; moet refuses unknown MOET_* variables
     if args.engine == "moet":
         # every expert resident: nothing to cache; tiered: the synthetic experts reach the pool
         # through packs of this run (MOET_CACHE_DIR, set in `run`)

@@ -22,6 +22,17 @@ from moet_quant.convert import FP4_TIERS
 from .compat import MoetVllmError
 
 ENV_PREFIX = "MOET_"
+# MOET_* variables that belong to the project's other packages, builds and scripts, not settings
+# of this one (any other unknown MOET_* variable is refused: it is most likely a misspelt setting)
+NOT_SETTINGS = (
+    "MOET_KERNELS_",  # moet-kernels (MOET_KERNELS_CUBIN_DIR) and its build (MOET_KERNELS_ARCHS)
+    "MOET_STORE_",  # moet-store's build
+    "MOET_NVCC",  # cmake/: the CUDA compiler and its flags
+    "MOET_CUOBJDUMP",
+    "MOET_WITH_LIBURING",
+    "MOET_COMMIT",  # bench/provenance.py: the commit of a tree that travels without .git
+    "MOET_SITE",  # bench/serving_gpu.sh: where the packages are installed
+)
 
 
 class MoetConfigError(MoetVllmError):
@@ -254,7 +265,11 @@ def resolve(
                 f"found {type(moet_extra).__name__}"
             )
         _apply(values, origins, moet_extra, USER_FIELDS, (), "--additional-config moet")
-    env = {k[len(ENV_PREFIX) :].lower(): v for k, v in environ.items() if k.startswith(ENV_PREFIX)}
+    env = {
+        k[len(ENV_PREFIX) :].lower(): v
+        for k, v in environ.items()
+        if k.startswith(ENV_PREFIX) and not k.startswith(NOT_SETTINGS)
+    }
     unknown = sorted(env_name(k) for k in env if k not in USER_FIELDS)
     if unknown:
         raise MoetConfigError(
