@@ -52,12 +52,12 @@ run_file() {  # budget in seconds, test file (or node id)
   mkdir -p "$res/engines/$name"
   (cd "$work/$name" 2>/dev/null && find . -name '*.log' -size -4M -exec cp --parents {} "$res/engines/$name" \;)
 }
-# budgets: ~30 s of installs + 330 + 200 s stay inside one 600 s device call with vLLM's staging
-# install (~25 s) before it. On the H200 (2026-12-01) a file of 5 engines took 242 s side by
-# side with the others; the memory file's earlier 3 boots ran past 150 s (it now boots twice)
-for f in "${parallel[@]}"; do run_file 330 "$f" & done
+# budgets: ~30 s of installs + 300 + 240 s stay inside one 600 s device call (stage vLLM in an
+# earlier call). On the H200 (2026-12-01) a file of 5 engines took 242 s side by side with the
+# others; the memory file's 3 boots ran past 150 s alone
+for f in "${parallel[@]}"; do run_file 300 "$f" & done
 wait
-for f in "${alone[@]}"; do run_file 200 "$f"; done
+for f in "${alone[@]}"; do run_file 240 "$f"; done
 for f in "$res"/files/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$out/gpu-tests.log"
 tar czf "$out/logs.tar.gz" -C "$res" files engines
 python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$res/files" "$out/summary.json"

@@ -197,30 +197,12 @@ def check_gpu_prerequisites() -> None:
 WIDE = {"num_experts": 64, "moe_intermediate_size": 24576}
 
 
-def write_packs(model: Path, env: dict, native: bool) -> int:
-    """What a first tiered boot does at load, in this process: every MoE layer of `model` (a moet
-    checkpoint) into the pack cache that `env` (MOET_* settings) names, as rows of the compute
-    path's layout (`native`: the kernels', packed on the GPU) -> the layers written."""
-    from moet_quant.checkpoint import read_config
-    from moet_vllm.loading import MoetLoadSession
-
-    cfg = resolve(read_config(model)["quantization_config"], {}, env)
-    session = MoetLoadSession(cfg, str(model), 0, 1, native, "cuda" if native else "cpu")
-    for layer in session.source.moe_layers:
-        session.rows(layer, keep=False)
-    session.close()
-    if native:
-        torch.cuda.empty_cache()
-    return session.quantized
-
-
 def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple[int, int]:
-    """design.md: an explicit pool comes out of the KV cache. The packs of the WIDE model are
-    written first (write_packs: a boot that writes them keeps some of that memory in its
-    allocator), then two boots with vLLM sizing its KV cache from memory (`flags`), a pool at the
-    boot floor and one of every expert, read them; -> (the KV bytes the larger pool took, the
-    pools' difference in bytes: rows of `layout`, the compute path's). Their greedy tokens are
-    equal."""
+    """design.md: an explicit pool comes out of the KV cache. Three boots of the WIDE model with
+    vLLM sizing its KV cache from memory (`flags`): the first writes the packs, then a pool at the
+    boot floor and one of every expert, which read them; -> (the KV bytes the larger pool took,
+    the pools' difference in bytes: rows of `layout`, the compute path's). Their greedy tokens
+    are equal."""
     from tiny_models import config, write_tiny_model
 
     from moet_quant import convert
@@ -232,16 +214,12 @@ def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple
     keys = cfg["num_hidden_layers"] * cfg["num_experts"]
     floor = boot_floor(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], 1, 1)  # 10
     flags = [*flags, "--max-num-seqs", "1", "--prompts", "1", "--max-tokens", "2"]
-    cache = {"MOET_CACHE_DIR": str(tmp_path / "packs")}
-    native = layout.__name__ == "NativeRowLayout"
-    assert write_packs(model, {**cache, "MOET_GPU_POOL": str(keys)}, native) == 2
     runs = {}
-    for name, slots in (("floor", floor), ("all", keys)):
-        env = {**cache, "MOET_GPU_POOL": str(slots)}
+    for name, slots in (("packs", keys), ("floor", floor), ("all", keys)):
+        env = {"MOET_GPU_POOL": str(slots), "MOET_CACHE_DIR": str(tmp_path / "packs")}
         runs[name] = run_vllm(model, tmp_path, f"kv-{name}", env=env, dtype=dtype, extra=flags)
         assert f"tiered residency: {slots} expert slots" in runs[name]["log"]
-        assert "0 layers read as W2, 2 from the pack cache" in runs[name]["log"]
-    assert runs["floor"]["tokens"] == runs["all"]["tokens"]
+    assert runs["floor"]["tokens"] == runs["all"]["tokens"] == runs["packs"]["tokens"]
     # K and V per token: layers x 2 x kv heads x head dim x the dtype's bytes
     width = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     token_bytes = (

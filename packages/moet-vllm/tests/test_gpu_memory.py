@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 
 def test_an_explicit_pool_comes_out_of_the_kv_cache_on_the_gpu(tmp_path):
-    """The packs written (native rows), then two eager boots with vLLM's profiling on (no fixed
-    KV size), a pool at the boot floor and one of every expert; their KV caches differ by the
-    pools' bytes (serving.pool_and_kv_deltas)."""
+    """Three eager boots with vLLM's profiling on (no fixed KV size): the first writes the packs,
+    then a pool at the boot floor and one of every expert (native rows); their KV caches differ by
+    the pools' bytes (serving.pool_and_kv_deltas)."""
     flags = ["--gpu-memory-utilization", "0.3"]
     kv_delta, pool_delta = pool_and_kv_deltas(tmp_path, flags, NativeRowLayout, "bfloat16")
     print(f"KV cache: {kv_delta / 1e6:.1f} MB less for {pool_delta / 1e6:.1f} MB more pool")

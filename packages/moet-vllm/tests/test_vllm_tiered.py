@@ -124,8 +124,9 @@ def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
     VLLM_CPU_KVCACHE_SPACE unset, vLLM CPU sizes the KV cache as gpu_memory_utilization x the
     host's memory less what the worker holds once the model is loaded and profiled (the GPU worker
     subtracts its measured memory the same way), so a pool allocated at load must come out of it.
-    The pack files are written first; two boots, a pool at the boot floor and one of every
-    expert, read them and differ only in the pool (serving.pool_and_kv_deltas)."""
+    The first boot writes the pack files (its allocator keeps some of that memory); the next two,
+    a pool at the boot floor and one of every expert, read them and differ only in the pool
+    (serving.pool_and_kv_deltas)."""
     kv_delta, pool_delta = pool_and_kv_deltas(
         tmp_path, ["--gpu-memory-utilization", "0.15"], RowLayout
     )
