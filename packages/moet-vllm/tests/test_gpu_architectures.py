@@ -23,7 +23,8 @@ UNCAPTURED_LINE = "moet: compute: moet-kernels (sm_90a cubins) on cuda:0, eager 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict:
-    """{(arch, "graphs" | "uncaptured"): run}: every engine of every architecture side by side."""
+    """{"<arch>-graphs" | "<arch>-uncaptured": run}: every engine of every architecture, side by
+    side."""
     tmp = tmp_path_factory.mktemp("archs")
     jobs = {}
     for arch in ARCHS:
@@ -47,5 +48,7 @@ def test_a_captured_step_computes_what_the_uncaptured_one_does(arch, engines):
     assert graphs["tokens"] == uncaptured["tokens"]
     assert graphs["logprobs"] == uncaptured["logprobs"]
     if arch == "glm4_moe":  # random weights: acceptance near zero (test_vllm_serving.py)
-        assert graphs["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0, graphs
+        assert graphs["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0, graphs[
+            "spec_decode"
+        ]
         print("MTP:", graphs["spec_decode"])
