@@ -38,6 +38,10 @@ class Family:
     experts_key: tuple[str, ...]  # config keys for the routed expert count, first present wins
     intermediate_key: tuple[str, ...]
     fused_layout: str  # how a fused gate_up tensor is laid out: "concat" or "gptoss"
+    # the per-expert projection names (gate, up, down) a moet checkpoint of the family writes:
+    # the ones the family's own checkpoints use, which every vLLM version's loader maps
+    # (vLLM 0.24's Mixtral loads only w1/w3/w2)
+    projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
 
 FAMILIES = (
@@ -72,7 +76,12 @@ FAMILIES = (
         "concat",
     ),
     Family(
-        "mixtral", ("MixtralForCausalLM",), ("num_local_experts",), ("intermediate_size",), "concat"
+        "mixtral",
+        ("MixtralForCausalLM",),
+        ("num_local_experts",),
+        ("intermediate_size",),
+        "concat",
+        ("w1", "w3", "w2"),
     ),
     Family(
         "gpt-oss",

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from . import formats
-from .arch import ExpertKey, Family, classify, config_int, family_for
+from .arch import PROJECTIONS, ExpertKey, Family, classify, config_int, family_for
 from .errors import CheckpointError, FormatError
 from .safetensors_io import ShardedSafetensors
 
@@ -59,11 +59,14 @@ class ProjectionSource:
     source_bytes: int  # this projection's share of source bytes
     _load: Callable[[], formats.Encoded | np.ndarray] = field(repr=False)
     _fp4x: Callable[[], dict] | None = field(default=None, repr=False)
+    projection_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # Family's
 
     @property
     def name(self) -> str:
-        """The projection's name in a moet checkpoint (before the .w2_codes/... suffix)."""
-        return f"{self.moe}.experts.{self.key.expert}.{self.key.proj}_proj"
+        """The projection's name in a moet checkpoint (before the .w2_codes/... suffix), in the
+        family's own naming (arch.Family.projection_names)."""
+        proj = self.projection_names[PROJECTIONS.index(self.key.proj)]
+        return f"{self.moe}.experts.{self.key.expert}.{proj}"
 
     def load(self):
         """-> formats.Encoded (integer-coded sources) or float64 ndarray (fp32 sources)."""
@@ -261,7 +264,9 @@ class Checkpoint:
         )
         names = tuple(parts.values())
         nbytes = sum(self.st.info(n).nbytes for n in names)
-        return ProjectionSource(key, moe, fmt, shape, names, nbytes, load, fp4x)
+        return ProjectionSource(
+            key, moe, fmt, shape, names, nbytes, load, fp4x, self.family.projection_names
+        )
 
     def _fused_sources(self, base: str, g: dict) -> list[ProjectionSource]:
         st, parts, layer = self.st, g["parts"], g["layer"]
@@ -316,6 +321,7 @@ class Checkpoint:
                             share // len(projs),
                             load,
                             fp4x,
+                            self.family.projection_names,
                         )
                     )
             return out
@@ -358,6 +364,7 @@ class Checkpoint:
                         (t.name,),
                         t.nbytes // (n_e * len(projs)),
                         lambda e=e, proj=proj: loader(view(e, proj), f"{t.name}[{e}].{proj}"),
+                        projection_names=self.family.projection_names,
                     )
                 )
         return out
