@@ -13,6 +13,10 @@ positions of stdlib/_threading_local.py): 23 top-1 flips (97.7% agreement), at o
 margins of at most 0.3125 nats (bfloat16 logits: margins come in steps of 1/32); 22 of them to
 the oracle's second token, one (a margin of 0.3125) to a token below it. Logprobs of the tokens
 both rank in their top two moved by 0.043 nats at the median, 0.31 at p99, 0.79 at most.
+Tied logits are no flip: either token is the greedy one (vLLM ranks ties in torch.topk's order,
+which changed with the number of logprobs asked for: 13 of 32 "flips" of the run of 2026-12-02
+were ties). The run of 2026-12-02 also had one flip to a token outside the oracle's top 5, so the
+top 20 are asked for now and the gap is measured, not assumed.
 δ = 1.0 nats, above the largest move: a flip to a token the oracle rates more than δ below its
 best (or outside its top TOP) means the kernels computed something else, and fails, as does an
 agreement below 97%.
@@ -35,7 +39,7 @@ from serving import (
 
 pytestmark = pytest.mark.gpu
 DELTA = 1.0  # nats (module docstring)
-TOP = 5  # prompt logprobs per position
+TOP = 20  # prompt logprobs per position (vLLM's default max_logprobs)
 MIN_AGREEMENT = 0.97
 
 
@@ -60,6 +64,14 @@ def split_prompt(n_tokens: int = 1000) -> tuple[str, list[int]]:
     raise AssertionError(f"fewer than {n_tokens} test-split tokens in {root}")
 
 
+def best(position: list) -> set[int]:
+    """The top-1 tokens of one position's [[token, logprob, rank], ...]: every token of the highest
+    logprob. bfloat16 logits tie often (steps of 1/32), and vLLM then ranks the tied tokens in
+    torch.topk's order, so either may come first."""
+    top = max(lp for _, lp, _ in position)
+    return {t for t, lp, _ in position if lp == top}
+
+
 def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(fixture_moet, tmp_path):
     """Greedy top-1 of the kernels equals the oracle's at every position except where the
     oracle rates the kernels' token less than DELTA below its own; agreement with the bf16 fixture
@@ -82,10 +94,10 @@ def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(fixture_moe
     for i, (k, o) in enumerate(zip(kernel, oracle)):
         ko, oo = ({t: lp for t, lp, _ in pos} for pos in (k, o))
         moves.append(max(abs(ko[t] - oo[t]) for t in ko.keys() & oo.keys()))
-        if k[0][0] != o[0][0]:  # rank 1 first
-            flips.append((i, o[0][1] - oo.get(k[0][0], float("-inf"))))
+        if not best(k) & best(o):
+            flips.append((i, o[0][1] - max(oo.get(t, float("-inf")) for t in best(k))))
     agreement = 1 - len(flips) / len(kernel)
-    agree_bf16 = sum(k[0][0] == b[0][0] for k, b in zip(kernel, bf16)) / len(kernel)
+    agree_bf16 = sum(bool(best(k) & best(b)) for k, b in zip(kernel, bf16)) / len(kernel)
     moves.sort()
     print(
         f"{len(kernel)} positions of {keys[:120]}: kernel/oracle top-1 agreement {agreement:.4f} "

@@ -5,7 +5,7 @@
 Greedy decoding of fixed token prompts (PROMPTS, or the token-id lists of --prompts-file; float32
 unless --dtype; eager unless --graphs); writes {"tokens": [[...], ...], "logprobs": [[...], ...]
 (of each generated token), "kv_cache_tokens": n, "init_seconds": s, ...}.
-vLLM spawns processes, so this runs as a script, never imported by pytest.
+vLLM may spawn processes (its workers), so this runs as a script, never imported by pytest.
 """
 
 from __future__ import annotations
@@ -83,6 +83,12 @@ def main() -> None:
     else:
         todo = prompts(args.prompts)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    # The engine core runs in this process, so `generate` queues every prompt before the first
+    # step and two engines schedule the same batches. In its own process the core receives the
+    # requests one by one while it steps; which of them the first steps hold then depends on
+    # timing, and bf16 results depend on the batch (seen on the H200: engines run side by side
+    # made different first steps, same tokens, other logprobs).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if args.gpu_memory_utilization:  # the KV cache gets that share of memory less what is used
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
     else:
@@ -158,6 +164,7 @@ def main() -> None:
             if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
                 spec_counters[m.name] = m.value
     cache = llm.llm_engine.vllm_config.cache_config  # as the engine core sized it
+    from moet_vllm import plugin
     from moet_vllm.residency import metrics
 
     published = metrics.run_dir() and metrics.run_dir() / "rank0.json"  # tiered residency only
@@ -173,6 +180,9 @@ def main() -> None:
                 "generate_seconds": generate,
                 "spec_decode": spec_counters,
                 "residency": residency,
+                # vLLM loaded the plugin in this process, where the engine core ran (its log line
+                # may precede vLLM's logging set-up, which vllm-cpu 0.32 does in the engine)
+                "plugin_registered": plugin.is_registered(),
             },
             f,
         )

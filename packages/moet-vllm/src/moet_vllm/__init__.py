@@ -1,8 +1,8 @@
 """moet-vllm: the vLLM plugin of moet and the `moet` command.
 
 vLLM loads the plugin through the `vllm.general_plugins` entry point (`moet_vllm.plugin:register`).
-This version checks the installed vLLM's version and provides the `moet` command; the quantization
-method, residency manager and worker hooks come with the vLLM plugin issue.
+The plugin checks the installed vLLM's version and registers the quantization method (method.py);
+loading, tiered residency and the `moet` command live in their own modules (README.md).
 """
 
 from __future__ import annotations
