@@ -727,6 +727,146 @@ MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
 MOET_ROUTE(moet_route_f16, __half)
 MOET_ROUTE(moet_route_f32, float)
 
+// Expert selection (moet_kernels.reference.route_reference's rules, one kernel instead of a
+// dozen small torch ops): one warp per token. Scores in float32: sigmoid as torch computes it
+// (1 / (1 + exp(-z)), IEEE division and expf: bit for bit), softmax with the max subtracted (its
+// sum in another order than torch's: ulps apart); the correction bias steers selection only;
+// with n_group > 1 (at most 32: a group per lane) only the topk_group best groups compete (a
+// group's score: its best biased score, or its two best summed when there is a bias). The top_k
+// picks go highest first, ties to the lower expert id, as the reference's stable sort; their
+// weights are summed in pick order when renormalized, then scaled. A picked expert's selection
+// score becomes NaN, which no comparison prefers.
+namespace {
+
+constexpr int TOPK_WARPS = 4;
+
+template <typename T>
+__device__ void select_experts(const T* logits, const float* bias, int n_tok, int n_experts,
+                               int top_k, int softmax, int renormalize, int n_group, int topk_group,
+                               float scaling, int* ids, float* weights) {
+  __shared__ float s_score[TOPK_WARPS][MAX_EXPERTS];
+  __shared__ float s_sel[TOPK_WARPS][MAX_EXPERTS];
+  pdl_enter();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * TOPK_WARPS + warp;
+  if (t >= n_tok) return;
+  float* score = s_score[warp];
+  float* sel = s_sel[warp];
+  const T* z = logits + (size_t)t * n_experts;
+  float m = -INFINITY;
+  for (int e = lane; e < n_experts; e += 32) {
+    const float v = to_f32<T>(z[e]);
+    score[e] = v;
+    m = fmaxf(m, v);
+  }
+  if (softmax) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.f;
+    for (int e = lane; e < n_experts; e += 32) {
+      score[e] = expf(score[e] - m);
+      sum += score[e];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    for (int e = lane; e < n_experts; e += 32) score[e] = __fdiv_rn(score[e], sum);
+  } else {
+    for (int e = lane; e < n_experts; e += 32) score[e] = __fdiv_rn(1.f, 1.f + expf(-score[e]));
+  }
+  for (int e = lane; e < n_experts; e += 32)
+    sel[e] = bias ? __fadd_rn(score[e], bias[e]) : score[e];
+  __syncwarp();
+  if (n_group > 1) {
+    const int size = n_experts / n_group;
+    float g_score = -INFINITY;
+    if (lane < n_group) {
+      float b1 = -INFINITY, b2 = -INFINITY;  // the group's best and second best
+      for (int e = lane * size; e < (lane + 1) * size; ++e) {
+        const float v = sel[e];
+        if (v > b1) {
+          b2 = b1;
+          b1 = v;
+        } else if (v > b2) {
+          b2 = v;
+        }
+      }
+      g_score = bias ? __fadd_rn(b1, b2) : b1;
+    }
+    bool kept = false;
+    for (int i = 0; i < topk_group; ++i) {
+      float v = lane < n_group && !kept ? g_score : NAN;
+      int g = lane;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int og = __shfl_xor_sync(0xffffffffu, g, o);
+        if (ov > v || (ov == v && og < g) || (v != v && ov == ov)) {
+          v = ov;
+          g = og;
+        }
+      }
+      kept |= lane == g;
+    }
+    const unsigned keep = __ballot_sync(0xffffffffu, kept);
+    for (int e = lane; e < n_experts; e += 32)
+      if (!((keep >> (e / size)) & 1u)) sel[e] = -INFINITY;
+    __syncwarp();
+  }
+  float picked = 0.f, sum = 0.f;  // lane i keeps pick i's weight
+  for (int i = 0; i < top_k; ++i) {
+    float v = NAN;
+    int best = n_experts;
+    for (int e = lane; e < n_experts; e += 32) {
+      const float c = sel[e];
+      if (c > v || (v != v && c == c)) {  // e rises: on a tie the lower id stays
+        v = c;
+        best = e;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int ob = __shfl_xor_sync(0xffffffffu, best, o);
+      if (ov > v || (ov == v && ob < best) || (v != v && ov == ov)) {
+        v = ov;
+        best = ob;
+      }
+    }
+    const float w = score[best];
+    __syncwarp();
+    if (lane == 0) sel[best] = NAN;
+    __syncwarp();
+    sum = __fadd_rn(sum, w);
+    if (lane == (i & 31)) picked = w;
+    if (lane == 0) ids[(size_t)t * top_k + i] = best;
+    if (((i + 1) & 31) == 0 || i + 1 == top_k) {  // lanes 0..31 hold picks of this round
+      const int first = i & ~31;
+      if (lane <= i - first) weights[(size_t)t * top_k + first + lane] = picked;
+    }
+  }
+  __syncwarp();
+  if (renormalize || scaling != 1.f) {
+    for (int i = lane; i < top_k; i += 32) {
+      const size_t p = (size_t)t * top_k + i;
+      const float w = renormalize ? __fdiv_rn(weights[p], sum) : weights[p];
+      weights[p] = __fmul_rn(w, scaling);
+    }
+  }
+}
+
+}  // namespace
+
+#define MOET_SELECT(NAME, T)                                                                   \
+  extern "C" __global__ void __launch_bounds__(TOPK_WARPS * 32) NAME(                          \
+      const T* logits, const float* bias, int n_tok, int n_experts, int top_k, int softmax,    \
+      int renormalize, int n_group, int topk_group, float scaling, int* ids, float* weights) { \
+    select_experts<T>(logits, bias, n_tok, n_experts, top_k, softmax, renormalize, n_group,    \
+                      topk_group, scaling, ids, weights);                                      \
+  }
+MOET_SELECT(moet_select_bf16, __nv_bfloat16)
+MOET_SELECT(moet_select_f16, __half)
+MOET_SELECT(moet_select_f32, float)
+
 // The work item's activation columns (Cols) for the job's pairs (8 per n-tile; -1: empty slot):
 // rows of act at row_of(pair) and scale rows of scale at the same row, `chunks` per row.
 template <int NT, class RowOf>

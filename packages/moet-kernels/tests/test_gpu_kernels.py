@@ -4,7 +4,7 @@
 
 One test per case of `moet_kernels.testing.VALIDATION_CASES` (what each checks:
 `moet_kernels.testing.validate_case`, docs/kernels.md "Validation"), plus the refinement tier's
-expansion on the GPU. CI has no GPU and deselects the marker (`-m "not gpu"`); on a machine
+expansion on the GPU and the select kernel (expert selection) per family's routing. CI has no GPU and deselects the marker (`-m "not gpu"`); on a machine
 that runs them, nothing here skips: no CUDA device or kernels that cannot load is a failure.
 
 Inputs are fresh each run: the run's seed comes from os.urandom, or from GPU_TEST_SEED to
@@ -21,6 +21,8 @@ import torch
 
 from moet_kernels import testing
 from moet_kernels.loader import kernels_available
+from moet_kernels.ops import select_experts
+from moet_kernels.reference import Routing, route_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -75,3 +77,50 @@ def test_refinement_expansion_matches_moet_quant():
     require_cuda()  # a torch expansion: no cubins needed
     r = testing.refinement_check()
     assert r["equal_to_moet_quant"], f"expand_refinement on the GPU differs from moet-quant: {r}"
+
+
+# (routing, experts, correction bias): the routings of the supported families
+SELECTIONS = {
+    "mixtral": (Routing(top_k=2), 8, False),
+    "qwen3-moe": (Routing(top_k=8), 128, False),
+    "softmax-unnormalized": (Routing(top_k=4, renormalize=False), 60, False),
+    "glm-4.5": (Routing(top_k=8, scoring="sigmoid"), 128, True),
+    "deepseek-v3": (
+        Routing(top_k=8, scoring="sigmoid", n_group=8, topk_group=4, scaling=2.5),
+        256,
+        True,
+    ),
+    "grouped-no-bias": (Routing(top_k=6, scoring="sigmoid", n_group=8, topk_group=3), 64, False),
+    "kimi-k2": (Routing(top_k=8, scoring="sigmoid", scaling=2.827), 384, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", SELECTIONS)
+def test_select_kernel_picks_the_references_experts(name, dtype):
+    """ops.select_experts on the GPU against route_reference: sigmoid scores are bit for bit the
+    reference's, so its picks are too; softmax picks may differ only between experts whose
+    scores tie within float32 ulps; weights within ulps. bfloat16 logits tie often (ties go to
+    the lower expert id in both)."""
+    require_kernels()
+    routing, e, biased = SELECTIONS[name]
+    gen = torch.Generator().manual_seed(SEED)
+    for t in (1, 7, 33, 1000):
+        logits = (torch.randn(t, e, generator=gen) * 2).to(dtype).cuda()
+        bias = (torch.randn(e, generator=gen) * 0.1).cuda() if biased else None
+        weights, ids = select_experts(logits, routing, bias)
+        ref_w, ref_ids = route_reference(logits, routing, bias)
+        assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+        where = f"{name}, {dtype}, {t} tokens; " + reproduce(
+            f"test_select_kernel_picks_the_references_experts[{name}-{dtype}]"
+        )
+        if routing.scoring == "sigmoid":
+            assert torch.equal(ids.long(), ref_ids), where
+        else:  # a differing pick must be a tie: the reference scores both within ulps
+            scores = torch.softmax(logits.float(), dim=-1)
+            got, want = scores.gather(1, ids.long()), scores.gather(1, ref_ids)
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=0, msg=where)
+            same = (ids.long() == ref_ids).all(dim=1)
+            assert same.float().mean() > 0.99, where
+            ref_w, weights = ref_w[same], weights[same]
+        torch.testing.assert_close(weights, ref_w, rtol=2e-6, atol=0, msg=where)

@@ -100,3 +100,24 @@ def test_bad_routings_are_refused():
         route_reference(torch.zeros(1, 6), Routing(top_k=2, n_group=4, topk_group=1))
     with pytest.raises(ValueError, match=r"\[T, E\]"):
         route_reference(torch.zeros(6), Routing(top_k=2))
+
+
+def test_select_experts_off_the_gpu_is_the_reference_with_int32_ids():
+    """ops.select_experts where the select kernel cannot run: route_reference itself, ids as the
+    kernels read them (int32); shapes the kernel could not take are refused by name."""
+    from moet_kernels.ops import select_experts
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(64, generator=gen)
+    r = Routing(top_k=6, scoring="sigmoid", n_group=8, topk_group=3, scaling=2.5)
+    weights, ids = select_experts(logits, r, bias)
+    ref_w, ref_ids = route_reference(logits, r, bias)
+    assert ids.dtype == torch.int32 and torch.equal(ids.long(), ref_ids)
+    assert torch.equal(weights, ref_w)
+    with pytest.raises(ValueError, match="at most 32 equal groups"):
+        select_experts(torch.zeros(1, 128), Routing(top_k=2, n_group=64), None)
+    with pytest.raises(ValueError, match=r"correction bias must be \[64\]"):
+        select_experts(logits, r, bias[:32])
+    with pytest.raises(ValueError, match="float64"):
+        select_experts(logits.double(), r, bias)

@@ -81,8 +81,10 @@ def kernels_available(device=None) -> tuple[bool, str]:
     name = f"{MODULE}.{arch}.cubin"
     if name not in shipped_cubins():
         return False, (
-            f"this build ships no {name} (built without nvcc?); ops fall back to the torch "
-            "reference. Reinstall moet-kernels from a wheel, or build it where nvcc is on PATH."
+            f"no {name} in {_cubin_folder()} (the cubins of moet_kernels at "
+            f"{Path(__file__).parent}, or MOET_KERNELS_CUBIN_DIR): built without nvcc?; ops "
+            "fall back to the torch reference. Reinstall moet-kernels from a wheel, or build it "
+            "where nvcc is on PATH."
         )
     try:
         import cuda.bindings.driver  # noqa: F401

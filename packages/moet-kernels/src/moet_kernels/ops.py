@@ -26,7 +26,7 @@ import torch
 
 from .layout import NativeRowLayout
 from .loader import kernels_available, load
-from .reference import tiered_moe_slots_reference
+from .reference import Routing, route_reference, tiered_moe_slots_reference
 
 log = logging.getLogger("moet_kernels")
 
@@ -34,7 +34,9 @@ TOK = 8  # pairs per mma n-tile (the kernels' TOK): a decode job's pairs
 PREFILL_JOB = 16  # pairs per prefill job: two n-tiles share each decoded weight fragment
 PREFILL_PAIRS_PER_EXPERT = 16  # prefill jobs from this many (token, expert) pairs per expert
 CHUNK = 128  # K per activation scale (the kernels' KCHUNK)
-MAX_EXPERTS = 1024  # the route kernel's limit
+MAX_EXPERTS = 1024  # the route and select kernels' limit
+MAX_GROUPS = 32  # the select kernel's limit: a group score per lane of a warp
+SELECT_WARPS = 4  # tokens per CTA of the select kernel (its TOPK_WARPS)
 OUT_KERNELS = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 
@@ -363,4 +365,75 @@ def _(
     return x.new_empty(x.shape[0], hidden)
 
 
-__all__ = ["native_layout", "w2_moe_slots"]
+def select_experts(
+    logits: torch.Tensor, routing: Routing, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_weights float32 [T, k], topk_ids int32 [T, k]) by
+    `reference.route_reference`'s rules: on a CUDA device with the kernels one kernel (sigmoid
+    scores bit for bit, softmax scores and renormalized weights within float32 ulps of the
+    reference's, the same experts wherever their scores do not tie within those ulps), elsewhere
+    the reference itself."""
+    e = logits.shape[-1]
+    if logits.dim() != 2 or logits.dtype not in OUT_KERNELS:
+        raise ValueError(
+            f"router logits must be a bfloat16, float16 or float32 [T, E] tensor, got "
+            f"{logits.dtype} {tuple(logits.shape)}"
+        )
+    if e > MAX_EXPERTS or routing.n_group > MAX_GROUPS or e % routing.n_group or routing.top_k > e:
+        raise ValueError(
+            f"{e} experts do not fit {routing} (the select kernel: at most {MAX_EXPERTS} experts "
+            f"in at most {MAX_GROUPS} equal groups)"
+        )
+    bias = None
+    if correction_bias is not None:
+        bias = correction_bias.to(device=logits.device, dtype=torch.float32).contiguous()
+        if bias.shape != (e,):
+            raise ValueError(f"the correction bias must be [{e}], got {tuple(bias.shape)}")
+    r = routing
+    return _select_experts(
+        logits, bias, r.top_k, r.scoring, r.renormalize, r.n_group, r.topk_group, r.scaling
+    )
+
+
+@torch.library.custom_op("moet::select_experts", mutates_args=())
+def _select_experts(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    renormalize: bool,
+    n_group: int,
+    topk_group: int,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    routing = Routing(top_k, scoring, renormalize, n_group, topk_group, scaling)
+    if not (logits.is_cuda and _available(logits.device.index)[0]):
+        weights, ids = route_reference(logits, routing, bias)
+        return weights, ids.to(torch.int32)
+    t, e = logits.shape
+    logits = logits.contiguous()
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    if t:
+        i32 = ctypes.c_int
+        load(logits.device).launch(
+            f"moet_select_{OUT_KERNELS[logits.dtype]}",
+            -(-t // SELECT_WARPS),
+            32 * SELECT_WARPS,
+            [_ptr(logits), ctypes.c_void_p(0 if bias is None else bias.data_ptr()), i32(t), i32(e),
+             i32(top_k), i32(scoring == "softmax"), i32(renormalize), i32(n_group),
+             i32(topk_group), ctypes.c_float(scaling), _ptr(ids), _ptr(weights)],
+        )  # fmt: skip
+    return weights, ids
+
+
+@_select_experts.register_fake
+def _(logits, bias, top_k, scoring, renormalize, n_group, topk_group, scaling):
+    t = logits.shape[0]
+    return (
+        logits.new_empty(t, top_k, dtype=torch.float32),
+        logits.new_empty(t, top_k, dtype=torch.int32),
+    )
+
+
+__all__ = ["native_layout", "select_experts", "w2_moe_slots"]

@@ -26,7 +26,8 @@ Compute (`MoetConfig.compute`, resolved per worker on the layers' device by `com
   GPU they need eager mode.
 
 Routing (monolithic): `apply_monolithic` receives the router logits and routes with
-`route_reference` (torch ops only, capturable). Under tiered residency (`gpu_pool` other than
+`moet_kernels.ops.select_experts` under `kernel` compute (one kernel, capturable), else with
+`route_reference` (torch ops: the oracle's and the CPU's routing). Under tiered residency (`gpu_pool` other than
 "all") the layers hold no expert parameters: every MoE layer's experts reach moet-store packs at
 load, and the layers read them from the residency manager's pool through its slot table
 (residency/manager.py), counting misses that the runner hook (compat point 7) fetches and replays.
@@ -50,7 +51,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.utils import set_weight_attrs
 
 from moet_kernels.loader import arch_of, kernels_available, load
-from moet_kernels.ops import native_layout, w2_moe_slots
+from moet_kernels.ops import native_layout, select_experts, w2_moe_slots
 from moet_kernels.reference import (
     Routing,
     route_reference,
@@ -209,7 +210,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
         return True
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-        weights, ids = route_reference(router_logits, self.routing, layer.e_score_correction_bias)
+        route = select_experts if self.compute == "kernel" else route_reference
+        weights, ids = route(router_logits, self.routing, layer.e_score_correction_bias)
         mgr = residency.active()
         if mgr is not None:
             table, routed = mgr.layer_tables(self.model_layer, ids)
