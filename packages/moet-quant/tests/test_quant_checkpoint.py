@@ -36,8 +36,8 @@ def test_scan_every_family_and_format(make_ckpt, family, fmt, fused):
     assert i.bytes["w2"] == 3 * 4 * 3 * (64 * 32 // 4 + 64 * 32 // 32)
     assert (i.bytes["fp4x"] > 0) == (fmt in ("nvfp4", "mxfp4"))
     names = {s.name for s in ck.sources}
-    moe = "block_sparse_moe" if family == "mixtral" else "mlp"
-    assert f"model.layers.2.{moe}.experts.3.down_proj" in names
+    moe, down = ("block_sparse_moe", "w2") if family == "mixtral" else ("mlp", "down_proj")
+    assert f"model.layers.2.{moe}.experts.3.{down}" in names  # the family's own names
     for s in ck.sources:
         assert s.dequant().shape == s.shape
 
