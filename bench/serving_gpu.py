@@ -703,6 +703,8 @@ def summarize(args) -> Path:
         j = json.loads(p.read_text())
         if j.get("bench") == "serving_gpu" and "engine" in j:
             runs.append(j)
+    if not runs:
+        raise SystemExit(f"summarize: no serving_gpu runs in {d}")
     bw_file = d / "copy-bandwidth.json"
     copies = json.loads(bw_file.read_text()) if bw_file.exists() else {}
     bw, h2d = copies.get("bytes_per_s"), copies.get("pinned_h2d_bytes_per_s")

@@ -8,7 +8,7 @@
 # Python, sm_90a cubins), into ~/moet-site, reused while the packages' sources are unchanged (a
 # stamp), so that the engines can run one per device command (each command may take 10 minutes;
 # a GLM-4.5-Air engine boots in ~1-3 min). Each command measures the copy bandwidth, runs the
-# engines it is given (default: all three), and writes under $OUT (default
+# engines it is given (default: stock-bf16, stock-fp8, moet; stock-int4 on request), and writes under $OUT (default
 # bench/results/serving_gpu/h200-<date>/): one JSON per engine, copy-bandwidth.json, summary.json
 # and summary.md. Bring the files of every command into one folder and re-run
 # `python3 bench/serving_gpu.py summarize DIR` there for the whole table.
@@ -16,6 +16,9 @@
 #     e.g. bash bench/serving_gpu.sh stock-bf16; bash bench/serving_gpu.sh moet -- --batches 1 8
 #     tiered (one pool per command, against moet's all-resident run of the same routing):
 #     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool 80%
+#     the model that does not fit any other way, and its int4 baseline (cut when it does not boot):
+#     bash bench/serving_gpu.sh moet -- --shape qwen3-235b-a22b
+#     bash bench/serving_gpu.sh stock-int4 -- --shape qwen3-235b-a22b --layers 60
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
