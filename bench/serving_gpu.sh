@@ -8,8 +8,8 @@
 # Python, sm_90a cubins), into ~/moet-site, reused while the packages' sources are unchanged (a
 # stamp), so that the engines can run one per device command (each command may take 10 minutes;
 # a GLM-4.5-Air engine boots in ~1-3 min). Each command measures the copy bandwidth, runs the
-# engines it is given (default: stock-bf16, stock-fp8, moet; stock-int4 on request), and writes under $OUT (default
-# bench/results/serving_gpu/h200-<date>/): one JSON per engine, copy-bandwidth.json, summary.json
+# engines it is given (default: stock-bf16, stock-fp8, moet; stock-int4 on request), and writes
+# under $OUT (default bench/results/serving_gpu/h200-<date>/): one JSON per engine, copy-bandwidth.json, summary.json
 # and summary.md. Bring the files of every command into one folder and re-run
 # `python3 bench/serving_gpu.py summarize DIR` there for the whole table.
 #     MOET_COMMIT=<sha> bash bench/serving_gpu.sh [ENGINE ...] [-- serving_gpu.py options]
