@@ -162,3 +162,25 @@ def test_nvfp4_variant_from_a_real_modelopt_export(tiny_glm, tmp_path, monkeypat
     assert 0 < fp4["kl_mean"] < two["kl_mean"]
     assert fp4["top1_agreement"] > two["top1_agreement"]
     assert list((tmp_path / "cache" / "moet").iterdir()) == []  # the export is cleaned up
+
+
+def test_fp4r_variant_holds_the_fp4_tiers_values_and_errs_less_than_w2(tiny_glm):
+    """`fp4r`: every routed expert at the FP4 tier's values (fp4r nibbles on the W2 block
+    scales): each weight is an e2m1 grid value times its block's power of two, and the error is
+    well below W2's."""
+    from transformers import AutoModelForCausalLM
+
+    from moet_quant.numerics import E2M1_VALUES
+
+    ref = AutoModelForCausalLM.from_pretrained(tiny_glm, dtype=torch.float32)
+    q, stats = quality.quantized_copy(ref, "fp4r")
+    _, w2_stats = quality.quantized_copy(ref, "w2-reference")
+    (_, m_ref), (_, m_q) = quality.expert_modules(ref)[0], quality.expert_modules(q)[0]
+    w = m_ref.down_proj[1].detach().double().numpy()
+    got = m_q.down_proj[1].detach().double().numpy()
+    scales = w2.quantize_f64(w, "auto", "reference").scales  # fp4r shares the W2 block scales
+    unit = np.repeat(np.exp2(scales.astype(np.float64) - 127.0), 32, axis=1)
+    assert np.isin(np.abs(got / unit), np.abs(E2M1_VALUES)).all()
+    fp4_err = np.mean([s["rel_rms"] for s in stats])
+    w2_err = np.mean([s["rel_rms"] for s in w2_stats])
+    assert fp4_err < w2_err / 2, (fp4_err, w2_err)

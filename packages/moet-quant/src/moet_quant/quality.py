@@ -14,6 +14,8 @@ checkpoint's exact values) to its dequantized float64 replacement:
 * ``w2-nobalance``    the reference quantizer without zero balancing (zero mode ``sign``);
 * ``w2-l2opt``        the ablation: the tensor's L2-optimal asymmetric 4-level codebook
                       (moet_quant.study), with the reference block exponents;
+* ``fp4r``            (opt-in) the FP4 tier's re-quantized rows, every expert at FP4: the e2m1
+                      nibbles of ``fp4.fp4r`` on the W2 block scales (what the FP4 tier serves);
 * ``fp8``, ``nvfp4``  (opt-in) the experts of a real nvidia-modelopt export of the checkpoint
                       (``FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG``, ``NVFP4_EXPERTS_ONLY_CFG``, calibrated
                       on the first 8 x 256 tokens), read back exactly by moet's own checkpoint
@@ -52,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import study, w2
+from . import fp4, study, w2
 from .errors import MoetError
 
 DEFAULT_VARIANTS = ("bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt")
@@ -79,12 +81,18 @@ def _l2opt(w: np.ndarray) -> np.ndarray:
     return q.reshape(n, k)
 
 
+def _fp4r(w: np.ndarray) -> np.ndarray:
+    base, nibbles = fp4.fp4r(w)
+    return fp4.dequant_fp4r(nibbles, base.scales)
+
+
 VARIANTS = {
     "bf16": lambda w: w,
     "w2-reference": _w2("auto", "reference"),
     "w2-optimal": _w2("auto", "optimal"),
     "w2-nobalance": _w2("sign", "reference"),
     "w2-l2opt": _l2opt,
+    "fp4r": _fp4r,
 }
 
 
