@@ -27,8 +27,8 @@ Compute (`MoetConfig.compute`, resolved per worker on the layers' device by `com
 
 Routing (monolithic): `apply_monolithic` receives the router logits and routes with
 `moet_kernels.ops.select_experts` under `kernel` compute (one kernel, capturable), else with
-`route_reference` (torch ops: the oracle's and the CPU's routing). Under tiered residency (`gpu_pool` other than
-"all") the layers hold no expert parameters: every MoE layer's experts reach moet-store packs at
+`route_reference` (torch ops: the oracle's and the CPU's routing). Under tiered residency
+(`gpu_pool` other than "all") the layers hold no expert parameters: every MoE layer's experts reach moet-store packs at
 load, and the layers read them from the residency manager's pool through its slot table
 (residency/manager.py), counting misses that the runner hook (compat point 7) fetches and replays.
 """
