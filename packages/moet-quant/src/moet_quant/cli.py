@@ -180,6 +180,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false")
     p.set_defaults(func=cmd_convert)
 
+    from .quality import MODELOPT_CONFIGS, VARIANTS  # numpy only: cheap to import here
+
     p = sub.add_parser(
         "eval",
         help="quality harness: bf16 vs W2 variants (perplexity, top-1 agreement, KL)",
@@ -193,9 +195,10 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--variant",
         action="append",
-        choices=["bf16", "w2-reference", "w2-optimal", "w2-nobalance", "w2-l2opt", "fp8", "nvfp4"],
+        choices=[*VARIANTS, *MODELOPT_CONFIGS],
         help="(repeatable; default: bf16 and the four W2 variants; bf16 always runs first; "
-        "fp8/nvfp4 quantize the checkpoint with nvidia-modelopt)",
+        "fp4r: every expert at the FP4 tier's values; fp8/nvfp4 quantize the checkpoint with "
+        "nvidia-modelopt)",
     )
     p.add_argument("--window", type=int, default=1024, help="tokens per window (context)")
     p.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
