@@ -44,6 +44,9 @@ if [[ "$(cat "$site/.stamp" 2>/dev/null)" != "$stamp" ]]; then
   echo "serving_gpu: packages installed in $(($(date +%s) - t0)) s"
 fi
 export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
+# the cubins this script built, named explicitly: on the H200 (2026-12-02) the first moet engine
+# after an install reported no cubin in the installed package, and with this set the next ran
+export MOET_KERNELS_CUBIN_DIR="$site/moet_kernels/cubins"
 # the moet engine runs the kernels (--moet-compute kernel): a build without them stops here, with
 # the reason, not after the stock engines ran
 python3 -c 'from moet_kernels.loader import kernels_available as k; ok, why = k()
