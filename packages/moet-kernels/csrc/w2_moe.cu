@@ -740,6 +740,25 @@ namespace {
 
 constexpr int TOPK_WARPS = 4;
 
+// (a, ia) before (b, ib): the higher value, then the lower index; NaN (picked, or no candidate yet)
+// last.
+__device__ __forceinline__ bool prefer(float a, int ia, float b, int ib) {
+  return a > b || (a == b && ia < ib) || (b != b && a == a);
+}
+
+// The warp's preferred (value, index) of its lanes' ones; every lane ends with the same pair.
+__device__ __forceinline__ void warp_best(float& v, int& idx) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, idx, o);
+    if (prefer(ov, oi, v, idx)) {
+      v = ov;
+      idx = oi;
+    }
+  }
+}
+
 template <typename T>
 __device__ void select_experts(const T* logits, const float* bias, int n_tok, int n_experts,
                                int top_k, int softmax, int renormalize, int n_group, int topk_group,
@@ -796,15 +815,7 @@ __device__ void select_experts(const T* logits, const float* bias, int n_tok, in
     for (int i = 0; i < topk_group; ++i) {
       float v = lane < n_group && !kept ? g_score : NAN;
       int g = lane;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int og = __shfl_xor_sync(0xffffffffu, g, o);
-        if (ov > v || (ov == v && og < g) || (v != v && ov == ov)) {
-          v = ov;
-          g = og;
-        }
-      }
+      warp_best(v, g);
       kept |= lane == g;
     }
     const unsigned keep = __ballot_sync(0xffffffffu, kept);
@@ -817,21 +828,12 @@ __device__ void select_experts(const T* logits, const float* bias, int n_tok, in
     float v = NAN;
     int best = n_experts;
     for (int e = lane; e < n_experts; e += 32) {
-      const float c = sel[e];
-      if (c > v || (v != v && c == c)) {  // e rises: on a tie the lower id stays
-        v = c;
+      if (prefer(sel[e], e, v, best)) {
+        v = sel[e];
         best = e;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int ob = __shfl_xor_sync(0xffffffffu, best, o);
-      if (ov > v || (ov == v && ob < best) || (v != v && ov == ov)) {
-        v = ov;
-        best = ob;
-      }
-    }
+    warp_best(v, best);
     const float w = score[best];
     __syncwarp();
     if (lane == 0) sel[best] = NAN;
