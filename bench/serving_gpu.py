@@ -5,6 +5,7 @@
         [--batches 1 8 32] [--prompt-tokens 128] [--gen-tokens 256] [--capture-sizes ...]
         [--routing uniform|concentrated] [--gpu-pool all|N|P%] [--repeats 3] [--eager]
     python3 bench/serving_gpu.py compare [ENGINE ...] [same options]   # one process per engine
+        (--gpu-pool all,100%,90%: moet once per pool)
     python3 bench/serving_gpu.py copy-bandwidth [--out DIR]             # the HBM denominator
     python3 bench/serving_gpu.py summarize DIR                          # tables, ratios, D check
 
@@ -606,8 +607,11 @@ def compare(args) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         raise SystemExit(f"unknown engine(s) {', '.join(unknown)}: of {', '.join(ENGINES)}")
+    pools = args.gpu_pool.split(",")  # one moet engine per pool, one after another
+    if pools != ["all"] and set(engines) != {"moet"}:
+        raise SystemExit(f"--gpu-pool {args.gpu_pool}: a moet setting (engine moet)")
     common = ["--shape", args.shape, "--out", args.out, "--routing", args.routing,
-              "--gpu-pool", args.gpu_pool, "--prompt-tokens", str(args.prompt_tokens),
+              "--prompt-tokens", str(args.prompt_tokens),
               "--gen-tokens", str(args.gen_tokens), "--repeats", str(args.repeats),
               "--seed", str(args.seed), "--dtype", args.dtype,
               "--batches", *map(str, args.batches)]  # fmt: skip
@@ -626,13 +630,13 @@ def compare(args) -> int:
     failed = []
     if has_cuda():
         subprocess.run([sys.executable, __file__, "copy-bandwidth", "--out", args.out])
-    for eng in engines:
+    for eng, pool in ((e, p) for e in engines for p in pools):
         wait_gpu_idle()
-        cmd = [sys.executable, __file__, "run", "--engine", eng, *common]
+        cmd = [sys.executable, __file__, "run", "--engine", eng, "--gpu-pool", pool, *common]
         print(f"== {eng}: {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd).returncode
         if rc:
-            failed.append(eng)
+            failed.append(f"{eng} (pool {pool})")
             print(f"== {eng}: failed (exit {rc})", flush=True)
     summarize(argparse.Namespace(dir=args.out))
     return 1 if failed else 0
@@ -866,7 +870,8 @@ def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
         "vLLM's dummy routing",
     )
     ap.add_argument(
-        "--gpu-pool", default="all", help="moet's MOET_GPU_POOL: all, N or P%% (tiered)"
+        "--gpu-pool", default="all", help="moet's MOET_GPU_POOL: all, N or P%% (tiered); "
+        "compare takes a comma-separated list (all,90%%,80%%), one engine per pool"
     )
     ap.add_argument("--moet-compute", default=None, help="moet's MOET_COMPUTE (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="the routing design and synthetic experts")

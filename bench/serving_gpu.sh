@@ -14,8 +14,9 @@
 # `python3 bench/serving_gpu.py summarize DIR` there for the whole table.
 #     MOET_COMMIT=<sha> bash bench/serving_gpu.sh [ENGINE ...] [-- serving_gpu.py options]
 #     e.g. bash bench/serving_gpu.sh stock-bf16; bash bench/serving_gpu.sh moet -- --batches 1 8
-#     tiered (one pool per command, against moet's all-resident run of the same routing):
-#     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool 80%
+#     tiered (one engine per pool, against moet's all-resident run of the same routing; about
+#     two minutes a pool, and the device returns at most 8 files: 5 + one per pool):
+#     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool all,100%,90%
 #     the model that does not fit any other way, and its int4 baseline (cut when it does not boot):
 #     bash bench/serving_gpu.sh moet -- --shape qwen3-235b-a22b
 #     bash bench/serving_gpu.sh stock-int4 -- --shape qwen3-235b-a22b --layers 60

@@ -176,6 +176,12 @@ KERNEL_LINE = (
 # at its default 0.9 fails beside another engine: a small share (11 GiB of an H200) passes.
 GPU_KV_FLAGS = ("--kv-cache-memory-bytes", str(1 << 30), "--gpu-memory-utilization", "0.08")
 GPU_DRIVER_FLAGS = ("--graphs", "1", "2", "4", "8", *GPU_KV_FLAGS)
+# the environment of GPU engines compared bit for bit: Inductor times its reduction kernels' block
+# sizes on the device at their first run at a shape and keeps the fastest, and a block size moves
+# bf16 results; beside other engines on one GPU the timings, so the picks, differ from engine to
+# engine (H200, 2026-12-02: one prefill of the tiered comparison came out one of two ways, in
+# engines of every pool). Inductor's deterministic mode picks without timing.
+BITWISE_ENV = {"TORCHINDUCTOR_DETERMINISTIC": "1"}
 
 
 def check_gpu_prerequisites() -> None:

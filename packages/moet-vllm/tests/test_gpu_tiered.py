@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 from serving import (
+    BITWISE_ENV,
     GPU_DRIVER_FLAGS,
     KERNEL_LINE,
     corrupt_packs,
@@ -29,9 +30,10 @@ FLOOR = boot_floor(3, 4, 1, SEQS)  # 56 of the fixture's 192 (layer, expert) pai
 
 
 def drive(model, env, prompts=8) -> dict:
-    """run_vllm's arguments of one engine: GPU_DRIVER_FLAGS, greedy, bfloat16."""
+    """run_vllm's arguments of one engine: GPU_DRIVER_FLAGS, BITWISE_ENV, greedy, bfloat16."""
     return {
-        "model": model, "env": env, "dtype": "bfloat16", "prompts": fixture_prompts(prompts),
+        "model": model, "env": {**BITWISE_ENV, **env}, "dtype": "bfloat16",
+        "prompts": fixture_prompts(prompts),
         "extra": [*GPU_DRIVER_FLAGS, "--max-num-seqs", str(SEQS)],
     }  # fmt: skip
 
