@@ -870,8 +870,10 @@ def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
         "vLLM's dummy routing",
     )
     ap.add_argument(
-        "--gpu-pool", default="all", help="moet's MOET_GPU_POOL: all, N or P%% (tiered); "
-        "compare takes a comma-separated list (all,90%%,80%%), one engine per pool"
+        "--gpu-pool",
+        default="all",
+        help="moet's MOET_GPU_POOL: all, N or P%% (tiered); "
+        "compare takes a comma-separated list (all,90%%,80%%), one engine per pool",
     )
     ap.add_argument("--moet-compute", default=None, help="moet's MOET_COMPUTE (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="the routing design and synthetic experts")
