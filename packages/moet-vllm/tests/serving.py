@@ -203,12 +203,15 @@ def check_gpu_prerequisites() -> None:
 WIDE = {"num_experts": 64, "moe_intermediate_size": 24576}
 
 
-def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple[int, int]:
+def pool_and_kv_deltas(
+    tmp_path, flags, layout, dtype: str = "float32", then: tuple[str, ...] = ()
+) -> tuple[int, int, dict]:
     """design.md: an explicit pool comes out of the KV cache. Three boots of the WIDE model with
     vLLM sizing its KV cache from memory (`flags`): the first writes the packs, then a pool at the
-    boot floor and one of every expert, which read them; -> (the KV bytes the larger pool took,
-    the pools' difference in bytes: rows of `layout`, the compute path's). Their greedy tokens
-    are equal."""
+    boot floor and one of every expert, which read them, and then one boot per gpu_pool of
+    `then`; -> (the KV bytes the larger pool took, the pools' difference in bytes: rows of
+    `layout`, the compute path's, {"packs" | "floor" | "all" | each of `then`: run}). Their greedy
+    tokens are equal."""
     from tiny_models import config, write_tiny_model
 
     from moet_quant import convert
@@ -221,11 +224,13 @@ def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple
     floor = boot_floor(cfg["num_hidden_layers"], cfg["num_experts_per_tok"], 1, 1)  # 10
     flags = [*flags, "--max-num-seqs", "1", "--prompts", "1", "--max-tokens", "2"]
     runs = {}
-    for name, slots in (("packs", keys), ("floor", floor), ("all", keys)):
-        env = {"MOET_GPU_POOL": str(slots), "MOET_CACHE_DIR": str(tmp_path / "packs")}
+    boots = [("packs", str(keys)), ("floor", str(floor)), ("all", str(keys))]
+    for name, pool in [*boots, *((p, p) for p in then)]:
+        env = {"MOET_GPU_POOL": pool, "MOET_CACHE_DIR": str(tmp_path / "packs")}
         runs[name] = run_vllm(model, tmp_path, f"kv-{name}", env=env, dtype=dtype, extra=flags)
-        assert f"tiered residency: {slots} expert slots" in runs[name]["log"]
-    assert runs["floor"]["tokens"] == runs["all"]["tokens"] == runs["packs"]["tokens"]
+        loaded = "1" if pool == "auto" else pool  # auto: one slot at load, sized later
+        assert f"tiered residency: {loaded} expert slots" in runs[name]["log"]
+    assert all(r["tokens"] == runs["all"]["tokens"] for r in runs.values())
     # K and V per token: layers x 2 x kv heads x head dim x the dtype's bytes
     width = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     token_bytes = (
@@ -233,7 +238,7 @@ def pool_and_kv_deltas(tmp_path, flags, layout, dtype: str = "float32") -> tuple
     )
     kv_delta = (runs["floor"]["kv_cache_tokens"] - runs["all"]["kv_cache_tokens"]) * token_bytes
     row_bytes = layout(cfg["hidden_size"], cfg["moe_intermediate_size"]).row_bytes
-    return kv_delta, (keys - floor) * row_bytes
+    return kv_delta, (keys - floor) * row_bytes, runs
 
 
 def corrupt_packs(cache: Path) -> None:

@@ -127,7 +127,7 @@ def test_an_explicit_pool_comes_out_of_the_kv_cache(tmp_path):
     The first boot writes the pack files (its allocator keeps some of that memory); the next two,
     a pool at the boot floor and one of every expert, read them and differ only in the pool
     (serving.pool_and_kv_deltas)."""
-    kv_delta, pool_delta = pool_and_kv_deltas(
+    kv_delta, pool_delta, _ = pool_and_kv_deltas(
         tmp_path, ["--gpu-memory-utilization", "0.15"], RowLayout
     )
     assert kv_delta == pytest.approx(pool_delta, rel=0.01), (kv_delta, pool_delta)
