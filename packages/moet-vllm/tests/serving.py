@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -55,6 +57,27 @@ def fixture_prompts(n: int = 2, model: Path = FIXTURE) -> list[list[int]]:
         raise ValueError(f"n={n}: there are {len(FIXTURE_TEXTS)} fixture prompts")
     tok = Tokenizer.from_file(str(Path(model) / "tokenizer.json"))
     return [tok.encode(t).ids for t in FIXTURE_TEXTS[:n]]
+
+
+def split_prompt(n_tokens: int = 1000) -> tuple[str, list[int]]:
+    """The first `n_tokens` of the interpreter's standard-library sources that fall in the
+    fixture's test split (bench/fixture/corpus.py `split_of`: SHA-256 of the document key), as
+    token ids of the fixture's tokenizer; -> (document keys, ids)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    keys, ids = [], []
+    for path in sorted(root.rglob("*.py")):
+        key = f"stdlib/{path.relative_to(root)}"
+        bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % 100
+        text = path.read_text(errors="replace")
+        if 5 <= bucket < 10 and len(text) >= 200:
+            keys.append(key)
+            ids += tok.encode(text).ids
+            if len(ids) >= n_tokens:
+                return ", ".join(keys), ids[:n_tokens]
+    raise AssertionError(f"fewer than {n_tokens} test-split tokens in {root}")
 
 
 def convert_fixture(out: Path) -> Path:

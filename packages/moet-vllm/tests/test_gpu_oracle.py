@@ -24,10 +24,6 @@ agreement below 97%.
 
 from __future__ import annotations
 
-import hashlib
-import sysconfig
-from pathlib import Path
-
 import pytest
 from serving import (
     FIXTURE,
@@ -35,33 +31,13 @@ from serving import (
     GPU_KV_FLAGS,
     KERNEL_LINE,
     run_vllm_side_by_side,
+    split_prompt,
 )
 
 pytestmark = pytest.mark.gpu
 DELTA = 1.0  # nats (module docstring)
 TOP = 20  # prompt logprobs per position (vLLM's default max_logprobs)
 MIN_AGREEMENT = 0.97
-
-
-def split_prompt(n_tokens: int = 1000) -> tuple[str, list[int]]:
-    """The first `n_tokens` of the interpreter's standard-library sources that fall in the
-    fixture's test split (bench/fixture/corpus.py `split_of`: SHA-256 of the document key), as
-    token ids of the fixture's tokenizer; -> (document keys, ids)."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(FIXTURE) / "tokenizer.json"))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    keys, ids = [], []
-    for path in sorted(root.rglob("*.py")):
-        key = f"stdlib/{path.relative_to(root)}"
-        bucket = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") % 100
-        text = path.read_text(errors="replace")
-        if 5 <= bucket < 10 and len(text) >= 200:
-            keys.append(key)
-            ids += tok.encode(text).ids
-            if len(ids) >= n_tokens:
-                return ", ".join(keys), ids[:n_tokens]
-    raise AssertionError(f"fewer than {n_tokens} test-split tokens in {root}")
 
 
 def best(position: list) -> set[int]:

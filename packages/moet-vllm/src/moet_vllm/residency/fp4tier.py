@@ -1,0 +1,116 @@
+"""The FP4 tier's decisions: which (MoE layer, expert) pairs hold FP4 rows, and when the
+confidence gate replays a step (issue 19; design.md, Residency).
+
+Every routed expert has a W2 row; a pool of FP4 rows beside it serves the pairs it holds instead
+(FP4 slot > W2 slot). There is no miss at this tier, so what enters the pool is chosen by two
+rules, both applied between forward passes:
+
+- **heat**: after each step, a routed pair not in the pool enters it while a slot is free, or
+  when its decayed routing frequency beats the coldest resident pair's (which leaves), at most
+  `max_promotions` pairs a step;
+- **the gate**: when the step's token is not confident (`confidence(...) < tau`), every pair the
+  step routed enters the pool (the coldest others leave) and the step runs again; that second
+  pass is final (at most one gate replay a step).
+
+The slots are a :class:`~moet_vllm.residency.policy.ResidencyPolicy` (decayed frequency, the W2
+pool's), so the serving runner and the quality simulation (moet_vllm.gate_eval) take the same
+decisions from the same routing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .policy import Plan, ResidencyPolicy
+
+METRICS = ("prob", "margin")
+DEFAULT_MAX_PROMOTIONS = 4
+
+
+def confidence(logits, metric: str = "prob"):
+    """Per row of `logits` (torch, [..., vocab]): the top-1 probability (`prob`) or the gap between
+    the two largest log-probabilities in nats (`margin`)."""
+    import torch
+
+    if metric not in METRICS:
+        raise ValueError(f"confidence metric {metric!r}: expected one of {METRICS}")
+    lp = torch.log_softmax(logits.double(), -1)
+    top = lp.topk(2, dim=-1).values
+    return top[..., 0].exp() if metric == "prob" else top[..., 0] - top[..., 1]
+
+
+@dataclass
+class TierCounters:
+    steps: int = 0
+    gated_steps: int = 0
+    promotions: int = 0  # rows that entered the pool (heat and gate)
+    evictions: int = 0
+
+
+class Fp4Tier:
+    """The FP4 pool of `n_slots` over `moe_layers` x `n_experts` pairs (flat keys, layer-major).
+    The caller applies each returned plan (copies the fetched pairs' FP4 rows in, drops the
+    evicted ones) and then commits it."""
+
+    def __init__(
+        self,
+        n_slots: int,
+        moe_layers: int,
+        n_experts: int,
+        *,
+        max_promotions: int = DEFAULT_MAX_PROMOTIONS,
+        **policy_options,
+    ) -> None:
+        self.policy = ResidencyPolicy(
+            n_slots, moe_layers, n_experts, predict_threshold=0.0, **policy_options
+        )
+        self.max_promotions = int(max_promotions)
+        self.counters = TierCounters()
+
+    @property
+    def resident(self) -> np.ndarray:
+        """bool [moe_layers, n_experts]: the pairs the pool holds."""
+        return self.policy.slot_table >= 0
+
+    def gate_plan(self, routed: np.ndarray) -> Plan:
+        """Every pair of `routed` (flat keys of the step) into the pool, for the gate's replay (as
+        many as there are slots; pairs beyond them stay W2)."""
+        keys = np.unique(np.asarray(routed, dtype=np.int64))[: self.policy.n_slots]
+        return self.policy.plan(keys)
+
+    def heat_plan(self, routed: np.ndarray) -> Plan:
+        """After `observe`: the routed pairs outside the pool that enter it by heat (see the
+        module doc)."""
+        pol = self.policy
+        keys = np.unique(np.asarray(routed, dtype=np.int64))
+        out = keys[pol.slot_table.ravel()[keys] < 0]
+        if len(out) == 0:
+            return Plan(version=pol.version)
+        free = int(np.count_nonzero(pol.slot_keys < 0))
+        if free >= len(out):
+            return pol.plan(out)
+        hottest = out[np.argsort(-pol.score[out], kind="stable")]
+        resident = pol.resident
+        resident = resident[~np.isin(resident, keys)]
+        coldest = resident[np.argsort(pol.score[resident], kind="stable")]
+        n = free
+        while (
+            n < min(len(hottest), self.max_promotions + free)
+            and n - free < len(coldest)
+            and pol.score[hottest[n]] > pol.score[coldest[n - free]]
+        ):
+            n += 1
+        return pol.plan(hottest[:n]) if n else Plan(version=pol.version)
+
+    def commit(self, plan: Plan) -> None:
+        self.policy.commit(plan)
+        self.counters.promotions += len(plan.fetch_keys)
+        self.counters.evictions += len(plan.evict_keys)
+
+    def observe(self, routed: np.ndarray, gated: bool) -> None:
+        """End of a step: its final pass routed `routed` (flat keys)."""
+        self.policy.observe(routed)
+        self.counters.steps += 1
+        self.counters.gated_steps += int(gated)

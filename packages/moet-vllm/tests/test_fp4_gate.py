@@ -1,0 +1,113 @@
+"""The FP4 tier's decisions (residency/fp4tier.py) and the gate simulation (gate_eval.py) on the
+trained fixture: token-by-token decoding reproduces a whole-window forward, the gate replays
+exactly the steps below tau, and FP4 rows served by the pool or the gate bring the loss down."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from serving import FIXTURE, split_prompt
+
+from moet_vllm.gate_eval import GateConfig, SimOptions, _Experts, _simulate, _teacher_forced
+from moet_vllm.residency.fp4tier import Fp4Tier, confidence
+
+# --- the tier's rules -----------------------------------------------------------------------------
+
+
+def test_heat_fills_free_slots_then_swaps_only_hotter_pairs_at_most_max_promotions_a_step():
+    tier = Fp4Tier(4, 2, 8, max_promotions=1, half_life_steps=1e9)  # no decay: counts
+    for _ in range(3):  # 0, 1, 2, 3 routed three times each: they fill the pool
+        tier.observe(np.array([0, 1, 2, 3]), gated=False)
+        tier.commit(tier.heat_plan(np.array([0, 1, 2, 3])))
+    assert sorted(np.flatnonzero(tier.resident.ravel())) == [0, 1, 2, 3]
+    tier.observe(np.array([8, 9, 0]), gated=False)  # 8, 9 once: colder than every resident
+    plan = tier.heat_plan(np.array([8, 9, 0]))
+    assert len(plan.fetch_keys) == 0
+    for _ in range(4):  # 8 and 9 routed 5 times in all: hotter than 1, 2, 3 (3 times)
+        tier.observe(np.array([8, 9, 0]), gated=False)
+    plan = tier.heat_plan(np.array([8, 9, 0]))
+    assert len(plan.fetch_keys) == 1 and len(plan.evict_keys) == 1  # max_promotions
+    assert plan.fetch_keys[0] in (8, 9) and plan.evict_keys[0] in (1, 2, 3)
+    tier.commit(plan)
+    assert tier.counters.promotions == 5 and tier.counters.evictions == 1
+
+
+def test_the_gate_plan_makes_every_routed_pair_resident():
+    tier = Fp4Tier(4, 2, 8)
+    tier.commit(tier.heat_plan(np.array([0, 1, 2, 3])))
+    plan = tier.gate_plan(np.array([5, 9, 9, 0]))
+    tier.commit(plan)
+    assert set(np.flatnonzero(tier.resident.ravel())) >= {0, 5, 9}
+    assert len(plan.evict_keys) == 2
+
+
+def test_confidence_is_the_top_probability_or_the_top_two_margin():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    p = torch.softmax(logits.double(), -1)
+    assert torch.allclose(confidence(logits, "prob"), p.max(-1).values)
+    margin = confidence(logits, "margin")
+    assert margin[0].item() == pytest.approx(1.0) and margin[1].item() == 0.0
+    with pytest.raises(ValueError, match="confidence metric"):
+        confidence(logits, "entropy")
+
+
+# --- the simulation -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim():
+    """The fixture in float32 with its W2 and fp4r copies, over 320 test-split tokens in
+    windows of 160."""
+    from moet_quant.quality import quantized_copy, windows_of
+    from transformers import AutoModelForCausalLM
+
+    _, ids = split_prompt(321)
+    tokens = np.asarray(ids, dtype=np.int64)
+    ref = AutoModelForCausalLM.from_pretrained(str(FIXTURE), dtype=torch.float32).eval()
+    w2, _ = quantized_copy(ref, "w2-reference")
+    fp4, _ = quantized_copy(ref, "fp4r")
+    wins = windows_of(tokens.size, 160)
+    return {"tokens": tokens, "wins": wins, "ref": ref, "w2": w2, "fp4": fp4,
+            "experts": _Experts(w2, w2, fp4)}  # fmt: skip
+
+
+def run(sim, cfg):
+    return _simulate(sim["w2"], sim["experts"], sim["tokens"], sim["wins"], cfg, lambda _n: None)
+
+
+def test_decoding_token_by_token_without_a_pool_is_the_w2_models_forward(sim):
+    """No FP4 pool: every step runs W2, so the incremental decode (KV cache, one token a step)
+    gives the logits of a whole-window forward of the W2 model."""
+    top, nll = _teacher_forced(sim["w2"], sim["tokens"], sim["wins"])
+    r = run(sim, GateConfig(0.0, 0.9))
+    assert not r["gated"].any() and r["promotions"] == 0  # no pool: nothing to promote
+    np.testing.assert_allclose(r["nll"], nll, atol=1e-4)
+    assert np.mean(r["top"] == top) >= 0.99  # float32 reorderings may flip exact near-ties
+
+
+def test_the_gate_replays_the_steps_below_tau_and_fp4_lowers_the_loss(sim):
+    """A pool of 25%: without the gate nothing replays, and the pool's FP4 rows alone lower the
+    loss below bare W2's; with tau = 0.5 exactly the steps whose first pass was below it replay,
+    and the loss falls further, towards all-FP4's."""
+    bare = run(sim, GateConfig(0.0, 0.0))
+    heat = run(sim, GateConfig(0.25, 0.0))
+    gate = run(sim, GateConfig(0.25, 0.5))
+    _, fp4_nll = _teacher_forced(sim["fp4"], sim["tokens"], sim["wins"])
+    assert not heat["gated"].any() and heat["promotions"] > 0
+    assert np.array_equal(gate["gated"], gate["conf"] < 0.5) and gate["gated"].any()
+    assert fp4_nll.mean() < gate["nll"].mean() < heat["nll"].mean() < bare["nll"].mean()
+
+
+def test_eval_gate_reports_every_configuration(tmp_path):
+    from moet_vllm.gate_eval import evaluate_gate, format_table
+
+    _, ids = split_prompt(161)
+    cfgs = [GateConfig(0.0, 0.0), GateConfig(0.1, 0.3, "margin")]
+    report = evaluate_gate(FIXTURE, np.asarray(ids), cfgs, SimOptions(window=80, n_boot=50))
+    assert report["tokens"] == 160 and report["windows"] == 2
+    rows = report["configs"]
+    assert list(rows) == [c.name for c in cfgs] and rows[cfgs[1].name]["slots"] == 19  # of 192
+    assert rows[cfgs[0].name]["gated_pct"] == 0.0
+    table = format_table(report)
+    assert "| 10% (19) | 0.3 margin |" in table
