@@ -111,3 +111,15 @@ def test_eval_gate_reports_every_configuration(tmp_path):
     assert rows[cfgs[0].name]["gated_pct"] == 0.0
     table = format_table(report)
     assert "| 10% (19) | 0.3 margin |" in table
+
+
+def test_eval_gate_refuses_bad_input_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "tokens.npy"
+    np.save(bad, np.zeros((2, 3), dtype=np.int32))
+    cmd = [sys.executable, "-m", "moet_vllm.cli", "eval-gate", str(FIXTURE), "--tokens", str(bad)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"moet: error: {bad}: expected a 1-D array of token ids, got (2, 3)"
