@@ -59,8 +59,9 @@ def test_confidence_is_the_top_probability_or_the_top_two_margin():
 def sim():
     """The fixture in float32 with its W2 and fp4r copies, over 320 test-split tokens in
     windows of 160."""
-    from moet_quant.quality import quantized_copy, windows_of
     from transformers import AutoModelForCausalLM
+
+    from moet_quant.quality import quantized_copy, windows_of
 
     _, ids = split_prompt(321)
     tokens = np.asarray(ids, dtype=np.int64)

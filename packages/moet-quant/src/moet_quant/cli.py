@@ -97,16 +97,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import numpy as np
+    from .quality import (
+        DEFAULT_VARIANTS,
+        EvalOptions,
+        evaluate,
+        format_table,
+        load_tokens,
+        write_report,
+    )
 
-    from .quality import DEFAULT_VARIANTS, EvalOptions, evaluate, format_table, write_report
-
-    try:
-        tokens = np.load(args.tokens)
-    except (OSError, ValueError) as e:
-        raise MoetError(f"cannot read token file {args.tokens}: {e}") from None
-    if tokens.ndim != 1:
-        raise MoetError(f"{args.tokens}: expected a 1-D array of token ids, got {tokens.shape}")
+    tokens = load_tokens(args.tokens)
     variants = tuple(args.variant) if args.variant else DEFAULT_VARIANTS
     if variants[0] != "bf16":
         variants = ("bf16",) + tuple(v for v in variants if v != "bf16")

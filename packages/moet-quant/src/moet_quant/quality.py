@@ -267,6 +267,35 @@ def checkpoint_source(path: str | Path):
 # --- metrics -------------------------------------------------------------------------------------
 
 
+def load_tokens(path) -> np.ndarray:
+    """A token file (.npy, 1-D token ids), or MoetError naming it."""
+    try:
+        tokens = np.load(path)
+    except (OSError, ValueError) as e:
+        raise MoetError(f"cannot read token file {path}: {e}") from None
+    if tokens.ndim != 1:
+        raise MoetError(f"{path}: expected a 1-D array of token ids, got {tokens.shape}")
+    return tokens
+
+
+def run_header(model_dir, n_tokens: int, n_windows: int, opts) -> dict:
+    """What every harness report starts with: the model, the tokens and windows, the software
+    and thread count it ran with (the results depend on them), the bootstrap's settings."""
+    import torch
+
+    return {
+        "model": str(model_dir),
+        "tokens": int(n_tokens),
+        "windows": n_windows,
+        "window": opts.window,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "n_boot": opts.n_boot,
+        "seed": opts.seed,
+    }
+
+
 def windows_of(n_tokens: int, window: int) -> list[tuple[int, int]]:
     """(start, length) of the inputs: tokens[start:start+length] predict the next ones."""
     n = n_tokens - 1
@@ -375,15 +404,7 @@ def evaluate(model_dir: str | Path, tokens: np.ndarray, opts: EvalOptions | None
 
     gen = _generation(models, tokens, opts)
     report: dict = {
-        "model": str(model_dir),
-        "tokens": int(n_tok),
-        "windows": n_win,
-        "window": opts.window,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "n_boot": opts.n_boot,
-        "seed": opts.seed,
+        **run_header(model_dir, n_tok, n_win, opts),
         "gen_tokens": opts.gen_tokens,
         "modelopt_exports": {
             v: {"config": MODELOPT_CONFIGS[v], "expert_format": f} for v, f in formats_seen.items()

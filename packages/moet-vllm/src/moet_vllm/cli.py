@@ -98,18 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 def run_eval_gate(args: argparse.Namespace) -> int:
     import json
 
-    import numpy as np
-
     from moet_quant.errors import MoetError
+    from moet_quant.quality import load_tokens
 
     from .gate_eval import GateConfig, SimOptions, evaluate_gate, format_table
 
-    try:
-        tokens = np.load(args.tokens)
-    except (OSError, ValueError) as e:
-        raise MoetError(f"cannot read token file {args.tokens}: {e}") from None
-    if tokens.ndim != 1:
-        raise MoetError(f"{args.tokens}: expected a 1-D array of token ids, got {tokens.shape}")
+    tokens = load_tokens(args.tokens)
     bad = [p for p in args.fp4_pool if not 0.0 <= p <= 1.0]
     if bad:
         raise MoetError(f"--fp4-pool {bad}: a share of the experts must be in [0, 1]")

@@ -178,7 +178,7 @@ def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | Non
     from transformers import AutoModelForCausalLM
 
     from moet_quant.progress import progress_bar
-    from moet_quant.quality import bootstrap, quantized_copy, windows_of
+    from moet_quant.quality import bootstrap, quantized_copy, run_header, windows_of
 
     opts = opts or SimOptions()
     t0 = time.time()
@@ -222,15 +222,7 @@ def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | Non
                 "confidence_median": float(np.median(r["conf"])),
             }
     return {
-        "model": str(model_dir),
-        "tokens": int(n),
-        "windows": len(wins),
-        "window": opts.window,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "n_boot": opts.n_boot,
-        "seed": opts.seed,
+        **run_header(model_dir, n, len(wins), opts),
         **opts.extra,
         "bf16_loss": float(bf16_nll.mean()),
         "all_fp4": {
