@@ -145,7 +145,7 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress)
                     plan = tier.gate_plan(experts.keys())
                     experts.apply(plan)
                     tier.commit(plan)
-                    cache.crop(t - s)  # the step again, from the same context
+                    cache.crop(-1)  # the step again, from the same context
                     logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
                     logits = logits[0, -1]
                     gated[t] = True
