@@ -115,3 +115,34 @@ def test_a_named_expert_source_is_the_registered_one_or_refused(tmp_path):
         assert isinstance(src, Constant) and src.layer(0)["w13_codes"][0, 0] == 7
     finally:
         experts._REGISTERED.pop("test-constant")
+
+
+def test_the_fp4_tier_rows_of_an_official_source_are_fp4r_and_shard_like_w2(tmp_path):
+    """fp4_layer: the fp4r nibbles and scales of every projection (the float64 dequantization
+    equals moet_quant.fp4's of the source), packed in the fp4r RowLayout; tensor-parallel shards
+    tile the whole as the W2 sections do; a moet checkpoint, W2 only, refuses with the way out."""
+    from moet_kernels.layout import RowLayout
+    from moet_quant import fp4
+    from moet_quant.numerics import unpack_nibbles
+
+    src = synth.write_checkpoint(
+        tmp_path / "src", "qwen3-moe", "bf16", n_layers=1, n_experts=3, hidden=64, inter=64
+    )
+    a = ExpertSource.open(src, CFG)
+    whole = a.fp4_layer(0)
+    RowLayout(64, 64, "fp4r").pack(**whole)  # the tier's sections, shapes and values
+    down = next(s for s in a.ck.sources if s.key == type(s.key)(0, 1, "down"))
+    base, nibbles = fp4.fp4r(down.load())
+    got = fp4.dequant_fp4r(unpack_nibbles(whole["w2_codes"][1]), whole["w2_scales"][1])
+    assert np.array_equal(got, fp4.dequant_fp4r(nibbles, base.scales))
+    parts = [ExpertSource.open(src, CFG, tp_rank=r, tp_size=2).fp4_layer(0) for r in range(2)]
+    for name in ("w2_codes", "w2_scales"):  # down: columns of K
+        assert np.array_equal(np.concatenate([p[name] for p in parts], axis=2), whole[name])
+    for name in ("w13_codes", "w13_scales"):  # gate over up: rows
+        halves = [np.split(p[name], 2, axis=1) for p in parts]
+        gate = np.concatenate([h[0] for h in halves], axis=1)
+        up = np.concatenate([h[1] for h in halves], axis=1)
+        assert np.array_equal(np.concatenate([gate, up], axis=1), whole[name])
+    convert.convert(src, tmp_path / "moet", progress=False)
+    with pytest.raises(MoetVllmError, match="holds only W2 experts; serve the official"):
+        ExpertSource.open(tmp_path / "moet", CFG).fp4_layer(0)

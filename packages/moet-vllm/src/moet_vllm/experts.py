@@ -5,7 +5,9 @@ tensors) or an official one, re-quantized exactly by moet-quant (bf16/fp16/fp32,
 layouts, NVFP4, MXFP4, INT4). `layer(model_layer)` returns the four sections of
 `moet_kernels.layout.RowLayout` for every expert, sharded for tensor parallelism along the expert
 intermediate dimension: w13 (gate over up) takes rows, w2 (down) takes columns of K. Peak memory is
-one layer of this rank's W2 data plus one source projection.
+one layer of this rank's W2 data plus one source projection. `fp4_layer(model_layer)` gives the
+FP4 tier's rows (`fp4r`: e2m1 nibbles on the W2 reference block scales) the same way; only an
+official checkpoint has them (a moet checkpoint holds W2 alone).
 
 A checkpoint whose `quantization_config` names an `expert_source` (`{"name": ..., ...}`) gets
 the source registered under that name in the process (`register_source`): experts that exist in
@@ -21,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from moet_kernels.layout import NativeRowLayout, RowLayout
-from moet_quant import w2
+from moet_quant import fp4, w2
 from moet_quant.arch import classify, family_for
 from moet_quant.checkpoint import (
     Checkpoint,
@@ -40,10 +42,11 @@ PROJECTIONS = ("gate", "up", "down")
 
 
 def shard_w2(t: w2.W2Tensor, proj: str, tp_rank: int, tp_size: int, where: str) -> w2.W2Tensor:
-    """This rank's part of one projection: gate/up rows [I/tp], down columns [I/tp] of K."""
+    """This rank's part of one projection: gate/up rows [I/tp], down columns [I/tp] of K. `t`
+    holds codes [N, K/c] (W2: c = 4; FP4 nibbles: c = 2) and UE8M0 scales [N, K/32]."""
     if tp_size == 1:
         return t
-    n, k = t.shape
+    n, k = t.scales.shape[0], t.scales.shape[1] * w2.BLOCK
     if proj == "down":
         if (k // tp_size) % w2.BLOCK or k % tp_size:
             raise MoetVllmError(
@@ -51,7 +54,7 @@ def shard_w2(t: w2.W2Tensor, proj: str, tp_rank: int, tp_size: int, where: str) 
                 f"multiple of {w2.BLOCK} per rank; use a tensor-parallel size "
                 f"that divides {k // w2.BLOCK} blocks"
             )
-        c, s = k // tp_size // 4, k // tp_size // w2.BLOCK
+        c, s = t.codes.shape[1] // tp_size, k // tp_size // w2.BLOCK
         return w2.W2Tensor(
             t.codes[:, tp_rank * c : (tp_rank + 1) * c],
             t.scales[:, tp_rank * s : (tp_rank + 1) * s],
@@ -135,6 +138,15 @@ class ExpertSource(ABC):
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:
         """The RowLayout sections [E, ...] of one MoE layer (by the model's layer index)."""
 
+    def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        """The `fp4r` RowLayout sections [E, ...] of one MoE layer: the FP4 tier's rows (e2m1
+        nibbles on the W2 reference block scales, moet_quant.fp4.fp4r), sharded as `layer`'s."""
+        raise MoetVllmError(
+            f"{self.path}: fp4_tier='fp4r' re-quantizes the experts from the official "
+            f"checkpoint, and this source ({self.kind}) holds only W2 experts; serve the "
+            "official checkpoint with --quantization moet, or fp4_tier='none'"
+        )
+
     @abstractmethod
     def close(self) -> None:
         """Release the checkpoint's files."""
@@ -158,6 +170,19 @@ class OfficialSource(ExpertSource):
             self._by_layer.setdefault(s.key.layer, {})[(s.key.expert, s.key.proj)] = s
 
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        def quantize(s) -> w2.W2Tensor:
+            return w2.quantize(s.load(), self.cfg.zero_mode, self.cfg.mode, name=s.name)
+
+        return self._sections(model_layer, quantize)
+
+    def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        def quantize(s) -> w2.W2Tensor:  # the nibbles, packed two a byte, on the W2 scales
+            base, nibbles = fp4.fp4r(s.load(), self.cfg.zero_mode, name=s.name)
+            return w2.W2Tensor(fp4.pack_nibbles(nibbles), base.scales)
+
+        return self._sections(model_layer, quantize)
+
+    def _sections(self, model_layer: int, quantize) -> dict[str, np.ndarray]:
         srcs = self._by_layer.get(model_layer)
         if srcs is None:
             raise MoetVllmError(
@@ -169,8 +194,7 @@ class OfficialSource(ExpertSource):
             q = {}
             for proj in PROJECTIONS:
                 s = srcs[(e, proj)]
-                t = w2.quantize(s.load(), self.cfg.zero_mode, self.cfg.mode, name=s.name)
-                q[proj] = shard_w2(t, proj, self.tp_rank, self.tp_size, s.name)
+                q[proj] = shard_w2(quantize(s), proj, self.tp_rank, self.tp_size, s.name)
             per_expert.append(q)
         return stack_sections(per_expert)
 
