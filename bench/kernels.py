@@ -1,6 +1,7 @@
 """moet-kernels on a GPU: build and time the W2 MoE op (issue 5); validation runs from here too.
 
     python bench/kernels.py [--out DIR] [--only validate|time|refine] [--sanitize] [--seed N]
+        [--shape glm-5.2|glm-4.5-air|...] [--batches 1 8 32 512]
 
 Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
 cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
@@ -10,8 +11,8 @@ cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones)
   test per case (`pytest -m gpu packages/moet-kernels/tests/test_gpu_kernels.py`). Here it runs
   the same cases (`VALIDATION_CASES`) to put their measurements in the result file; the run's
   seed (--seed, or fresh) is the suite's GPU_TEST_SEED: the same seed draws the same inputs.
-- time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8) at batch 1, 8, 32 and a prefill
-  size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
+- time: a GLM-5.2 MoE layer (H 6144, I 2048, 256 experts, top-8; `--shape` another of SHAPES,
+  e.g. glm-4.5-air, the serving benchmark's) at batch 1, 8, 32 and a prefill size, one graph over 8 layers of distinct pools (L2 defeated), uniform routing, weight scales
   shaped like trained weights' (moet_kernels.testing.SCALES; again at batch 1 and 8 with "wide"
   scales, the slow path's worst case; and at batch 1, 8, 32 with fp4r and with NVFP4 rows; with
   --prefill N..., those token counts with jobs of 8 pairs against jobs of 16, W2 and fp4r rows);
@@ -114,20 +115,21 @@ def copy_bandwidth() -> float:
     return 2 * n / sorted(times[5:])[len(times[5:]) // 2]
 
 
-def glm_layers(gen, n_layers=8, scales="trained", tier="w2") -> list:
-    """`n_layers` GLM-5.2 MoE layers of distinct pools (one graph over all of them defeats L2)."""
-    h, i, e, _ = SHAPES["glm-5.2"]
+def glm_layers(gen, n_layers=8, scales="trained", tier="w2", shape="glm-5.2") -> list:
+    """`n_layers` MoE layers of `shape` (SHAPES; GLM-5.2's by default) with distinct pools (one
+    graph over all of them defeats L2)."""
+    h, i, e, _ = SHAPES[shape]
     return [
         Layer(h, i, e, gen, keep_logical=False, scales=scales, tier=tier) for _ in range(n_layers)
     ]
 
 
-def time_batch(layers, n_tok, gen, bw) -> dict:
+def time_batch(layers, n_tok, gen, bw, shape="glm-5.2") -> dict:
     """One CUDA graph over `layers` at `n_tok` tokens (uniform routing), replayed: the median
     time per layer, routed bytes, their share of the copy bandwidth `bw`, and per-kernel spans."""
     from moet_kernels import ops
 
-    h, _, e, k = SHAPES["glm-5.2"]
+    h, _, e, k = SHAPES[shape]
     n_layers = len(layers)
     ops._workspaces.clear()
     xs = [torch.randn(n_tok, h, device="cuda", generator=gen).to(torch.bfloat16) for _ in layers]
@@ -202,15 +204,19 @@ def time_batch(layers, n_tok, gen, bw) -> dict:
     return row
 
 
-def time_layers(gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier="w2") -> dict:
-    layers = glm_layers(gen, n_layers, scales, tier)
+def time_layers(
+    gen, n_layers=8, batches=(1, 8, 32, 512), scales="trained", tier="w2", shape="glm-5.2"
+) -> dict:
+    layers = glm_layers(gen, n_layers, scales, tier, shape)
     bw = copy_bandwidth()
     out = {"copy_bandwidth_GBps": bw / 1e9, "layers_in_graph": n_layers, "scales": scales,
+           "shape": shape,
            "tier": tier,
            "kernel_us": "profiler span per kernel: with PDL it includes the wait for the previous "
                         "kernel, so only us_per_layer is a time",
            "slow_tiles": layers[0].lay.slow_tile_fractions(layers[0].pool[0]),
-           "batches": {n_tok: time_batch(layers, n_tok, gen, bw) for n_tok in batches}}  # fmt: skip
+           "batches": {n_tok: time_batch(layers, n_tok, gen, bw, shape)
+                       for n_tok in batches}}  # fmt: skip
     return out
 
 
@@ -245,6 +251,8 @@ def main() -> int:
     ap.add_argument("--sanitize", action="store_true", help="reduced validation only")
     ap.add_argument("--seed", type=int, default=None, help="default: fresh each run")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 512], help="time these")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="glm-5.2",
+                    help="the timed layers' shape (moet_kernels.testing.SHAPES)")  # fmt: skip
     ap.add_argument("--no-wide", action="store_true", help="skip the wide-scales timing")
     ap.add_argument("--no-fp4", action="store_true", help="skip the FP4 (fp4r, NVFP4) timing")
     ap.add_argument("--prefill", type=int, nargs="*", default=[],
@@ -274,7 +282,7 @@ def main() -> int:
         print(f"validation: {sum(r['ok'] for r in report['validation'])}/"
               f"{len(report['validation'])} cases ok (seed {seed})")  # fmt: skip
     if args.only in (None, "time"):
-        report["timing"] = time_layers(gen, batches=args.batches)
+        report["timing"] = time_layers(gen, batches=args.batches, shape=args.shape)
         if not args.no_wide:
             print("worst case: every block exponent drawn independently (mostly slow tiles)")
             report["timing_wide_scales"] = time_layers(gen, batches=(1, 8), scales="wide")

@@ -32,6 +32,7 @@ SHAPES = {  # name: (hidden, inter, experts, top_k)
     "deepseek-v3": (7168, 2048, 256, 8),
     "kimi-k2": (7168, 2048, 384, 8),
     "qwen3-235b": (4096, 1536, 128, 8),
+    "glm-4.5-air": (4096, 1408, 128, 8),  # the serving benchmark's shape (bench/shapes/)
     "glm-5.2-tp2": (6144, 1024, 256, 8),
     "deepseek-v3-tp4": (7168, 512, 256, 8),
     "qwen3-235b-tp4": (4096, 384, 128, 8),
