@@ -124,3 +124,12 @@ def test_eval_gate_refuses_bad_input_with_one_line(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == f"moet: error: {bad}: expected a 1-D array of token ids, got (2, 3)"
+    good = tmp_path / "ok.npy"
+    np.save(good, np.arange(64, dtype=np.int32))
+    report = tmp_path / "missing" / "report.json"  # refused before the run, not after it
+    cmd[-1] = str(good)
+    r = subprocess.run([*cmd, "--json", str(report)], capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (
+        f"moet: error: cannot write the report {report}: {report.parent} is not a writable folder"
+    )

@@ -100,6 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .quality import (
         DEFAULT_VARIANTS,
         EvalOptions,
+        check_report_path,
         evaluate,
         format_table,
         load_tokens,
@@ -107,6 +108,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     )
 
     tokens = load_tokens(args.tokens)
+    if args.json:
+        check_report_path(args.json)
     variants = tuple(args.variant) if args.variant else DEFAULT_VARIANTS
     if variants[0] != "bf16":
         variants = ("bf16",) + tuple(v for v in variants if v != "bf16")
@@ -118,9 +121,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         extra={"token_file": str(args.tokens)},
     )
     report = evaluate(args.checkpoint, tokens, opts)
+    print(format_table(report))
     if args.json:
         write_report(report, args.json)
-    print(format_table(report))
     return 0
 
 

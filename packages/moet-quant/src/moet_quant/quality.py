@@ -509,5 +509,16 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_report_path(path: str | Path) -> Path:
+    """Before a run: the report's folder must exist and be writable (a long run is not lost)."""
+    folder = Path(path).resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise MoetError(f"cannot write the report {path}: {folder} is not a writable folder")
+    return Path(path)
+
+
 def write_report(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    try:
+        Path(path).write_text(json.dumps(report, indent=1) + "\n")
+    except OSError as e:
+        raise MoetError(f"cannot write the report {path}: {e}") from None

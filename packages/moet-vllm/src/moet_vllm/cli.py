@@ -96,14 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_eval_gate(args: argparse.Namespace) -> int:
-    import json
-
     from moet_quant.errors import MoetError
-    from moet_quant.quality import load_tokens
+    from moet_quant.quality import check_report_path, load_tokens, write_report
 
     from .gate_eval import GateConfig, SimOptions, evaluate_gate, format_table
 
     tokens = load_tokens(args.tokens)
+    if args.json:
+        check_report_path(args.json)
     bad = [p for p in args.fp4_pool if not 0.0 <= p <= 1.0]
     if bad:
         raise MoetError(f"--fp4-pool {bad}: a share of the experts must be in [0, 1]")
@@ -112,10 +112,9 @@ def run_eval_gate(args: argparse.Namespace) -> int:
     opts = SimOptions(window=args.window, max_tokens=args.max_tokens, n_boot=args.n_boot,
                       extra={"token_file": str(args.tokens)})  # fmt: skip
     report = evaluate_gate(args.checkpoint, tokens, configs, opts)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
     print(format_table(report))
+    if args.json:
+        write_report(report, args.json)
     return 0
 
 
