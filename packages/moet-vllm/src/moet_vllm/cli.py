@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("settings", nargs="+", metavar="KEY=VALUE")
     tune.add_argument("--run", default=None, help="run directory (default: the newest live one)")
     tune.set_defaults(func=run_tune)
+    from .gate_eval import DEFAULT_POOLS, DEFAULT_TAUS  # numpy only (torch on use)
+
     gate = sub.add_parser(
         "eval-gate",
         help="quality of the FP4 tier and confidence gate, simulated as serving decides them",
@@ -74,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gate.add_argument("checkpoint", help="a bf16 Hugging Face checkpoint transformers can load")
     gate.add_argument("--tokens", required=True, help=".npy of token ids (1-D)")
-    gate.add_argument("--fp4-pool", type=float, nargs="+", default=[0.1, 0.25],
+    gate.add_argument("--fp4-pool", type=float, nargs="+", default=list(DEFAULT_POOLS),
                       help="FP4 pool shares of the experts, 0..1 (default 0.1 0.25)")  # fmt: skip
-    gate.add_argument("--tau", type=float, nargs="+", default=[0.0, 0.3, 0.5, 0.7],
+    gate.add_argument("--tau", type=float, nargs="+", default=list(DEFAULT_TAUS),
                       help="gate thresholds (0: no gate; default 0 0.3 0.5 0.7)")  # fmt: skip
     gate.add_argument("--metric", choices=("prob", "margin"), default="prob",
                       help="confidence: top-1 probability or top-2 log-prob margin (nats)")  # fmt: skip
@@ -99,7 +101,7 @@ def run_eval_gate(args: argparse.Namespace) -> int:
     from moet_quant.errors import MoetError
     from moet_quant.quality import check_report_path, load_tokens, write_report
 
-    from .gate_eval import GateConfig, SimOptions, evaluate_gate, format_table
+    from .gate_eval import SimOptions, curve, evaluate_gate, format_table
 
     tokens = load_tokens(args.tokens)
     if args.json:
@@ -107,8 +109,7 @@ def run_eval_gate(args: argparse.Namespace) -> int:
     bad = [p for p in args.fp4_pool if not 0.0 <= p <= 1.0]
     if bad:
         raise MoetError(f"--fp4-pool {bad}: a share of the experts must be in [0, 1]")
-    configs = [GateConfig(0.0, 0.0, args.metric)]  # bare W2, the baseline of every row
-    configs += [GateConfig(p, t, args.metric) for p in args.fp4_pool if p for t in args.tau]
+    configs = curve(args.fp4_pool, args.tau, args.metric)
     opts = SimOptions(window=args.window, max_tokens=args.max_tokens, n_boot=args.n_boot,
                       extra={"token_file": str(args.tokens)})  # fmt: skip
     report = evaluate_gate(args.checkpoint, tokens, configs, opts)

@@ -44,6 +44,17 @@ class GateConfig:
         return f"pool {100 * self.pool_share:g}% tau {self.tau:g} ({self.metric})"
 
 
+DEFAULT_POOLS = (0.1, 0.25)  # the FP4 pool's share of the experts (the issue allows <= 25%)
+DEFAULT_TAUS = (0.0, 0.3, 0.5, 0.7)
+
+
+def curve(pools=DEFAULT_POOLS, taus=DEFAULT_TAUS, metric: str = "prob") -> list[GateConfig]:
+    """Bare W2 (the baseline of every row), then every pool share > 0 with every tau."""
+    return [GateConfig(0.0, 0.0, metric)] + [
+        GateConfig(p, t, metric) for p in pools if p for t in taus
+    ]
+
+
 @dataclass
 class SimOptions:
     window: int = 1024
