@@ -16,7 +16,7 @@ engine's; and tiering under vLLM's V2 model runner, refused at boot."""
 from __future__ import annotations
 
 import pytest
-from serving import BITWISE_ENV, GPU_KV_FLAGS, KERNEL_LINE, run_vllm_side_by_side
+from serving import BITWISE_ENV, BITWISE_FLAGS, GPU_KV_FLAGS, KERNEL_LINE, run_vllm_side_by_side
 from tiny_models import ARCHS, write_tiny_model
 
 from moet_quant import convert
@@ -41,7 +41,7 @@ def engines(tmp_path_factory) -> dict:
         mtp = 1 if arch == "glm4_moe" else 0
         # decode batches of 2 tokens: 2 sequences, or 1 and its draft (captured as one FULL graph)
         seqs = "1" if mtp else "2"
-        flags = ["--graphs", "1", "2", *GPU_KV_FLAGS, "--max-num-seqs", seqs]
+        flags = ["--graphs", "1", "2", *BITWISE_FLAGS, *GPU_KV_FLAGS, "--max-num-seqs", seqs]
         both = {"model": moet, "dtype": "bfloat16", "mtp": mtp, "env": BITWISE_ENV}
         jobs[f"{arch}-graphs"] = {**both, "extra": flags}
         jobs[f"{arch}-uncaptured"] = {**both, "extra": [*flags, "--no-cuda-graphs"]}

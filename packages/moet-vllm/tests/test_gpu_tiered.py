@@ -14,6 +14,7 @@ import shutil
 import pytest
 from serving import (
     BITWISE_ENV,
+    BITWISE_FLAGS,
     GPU_DRIVER_FLAGS,
     KERNEL_LINE,
     corrupt_packs,
@@ -30,11 +31,12 @@ FLOOR = boot_floor(3, 4, 1, SEQS)  # 56 of the fixture's 192 (layer, expert) pai
 
 
 def drive(model, env, prompts=8) -> dict:
-    """run_vllm's arguments of one engine: GPU_DRIVER_FLAGS, BITWISE_ENV, greedy, bfloat16."""
+    """run_vllm's arguments of one engine: GPU_DRIVER_FLAGS, BITWISE_ENV and _FLAGS, greedy,
+    bfloat16."""
     return {
         "model": model, "env": {**BITWISE_ENV, **env}, "dtype": "bfloat16",
         "prompts": fixture_prompts(prompts),
-        "extra": [*GPU_DRIVER_FLAGS, "--max-num-seqs", str(SEQS)],
+        "extra": [*GPU_DRIVER_FLAGS, *BITWISE_FLAGS, "--max-num-seqs", str(SEQS)],
     }  # fmt: skip
 
 
@@ -43,11 +45,12 @@ POOLS = {"50%": "96", "the-floor": str(FLOOR), "below-the-floor": str(FLOOR - 16
 
 @pytest.fixture(scope="module")
 def engines(fixture_moet, tmp_path_factory) -> dict:
-    """All-resident (gpu_pool=all: every expert in native rows, through the same op and layout)
-    and each of POOLS, side by side; each engine with a pack cache of its own (`<name>-packs`),
-    so no hot set saved by another run warms a pool up."""
+    """All-resident (gpu_pool=all: every expert in native rows, through the same op and layout),
+    its twin, and each of POOLS, side by side; each engine with a pack cache of its own
+    (`<name>-packs`), so no hot set saved by another run warms a pool up."""
     tmp = tmp_path_factory.mktemp("tiered")
-    runs = {"resident": {}, **{name: {"MOET_GPU_POOL": pool} for name, pool in POOLS.items()}}
+    runs = {"resident": {}, "resident-twin": {}}
+    runs.update({name: {"MOET_GPU_POOL": pool} for name, pool in POOLS.items()})
     runs["below-the-floor"]["MOET_BELOW_FLOOR_OK"] = "1"
     for name, env in runs.items():
         env.update({"MOET_CACHE_DIR": str(tmp / f"{name}-packs"), "MOET_KPI_EVERY": "1"})
@@ -56,6 +59,14 @@ def engines(fixture_moet, tmp_path_factory) -> dict:
         assert KERNEL_LINE in run["log"], (name, run["log"][-3000:])
         run["packs"] = tmp / f"{name}-packs"
     return runs
+
+
+def test_two_all_resident_engines_side_by_side_agree_bit_for_bit(engines):
+    """The comparisons below are meaningful only where the environment is deterministic: two
+    identical engines run beside the others give the same tokens and logprobs."""
+    resident, twin = engines["resident"], engines["resident-twin"]
+    assert twin["tokens"] == resident["tokens"]
+    assert twin["logprobs"] == resident["logprobs"]
 
 
 @pytest.mark.parametrize("name", POOLS)

@@ -64,6 +64,13 @@ def main() -> None:
         "(cudagraph_mode NONE): the same compiled code, launched eagerly",
     )
     ap.add_argument(
+        "--untimed-compile",
+        action="store_true",
+        help="with --graphs: no compiled kernel chosen by timing it on the device: Inductor "
+        "without combo kernels (vLLM turns them on with benchmark_combo_kernel) and the norms "
+        "as vLLM's CUDA kernel (+rms_norm), not Inductor's tuned reductions",
+    )
+    ap.add_argument(
         "--gpu-memory-utilization",
         type=float,
         default=None,
@@ -98,11 +105,16 @@ def main() -> None:
 
     if args.no_cuda_graphs and args.graphs is None:
         ap.error("--no-cuda-graphs goes with --graphs (without it the engine is eager)")
+    if args.untimed_compile and args.graphs is None:
+        ap.error("--untimed-compile goes with --graphs (an eager engine compiles nothing)")
     compilation = {}
     if args.graphs:
         compilation["cudagraph_capture_sizes"] = args.graphs
     if args.no_cuda_graphs:
         compilation["cudagraph_mode"] = "NONE"
+    if args.untimed_compile:
+        compilation["custom_ops"] = ["+rms_norm"]
+        compilation["inductor_compile_config"] = {"combo_kernels": False}
     t0 = time.perf_counter()
     spec = {"method": "mtp", "num_speculative_tokens": args.mtp} if args.mtp else None
     llm = LLM(

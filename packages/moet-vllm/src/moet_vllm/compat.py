@@ -353,13 +353,15 @@ def before_warm_up(hook) -> None:
     each define the method). `hook` must be idempotent."""
     from vllm.v1.worker.gpu_worker import Worker
 
+    from vllm.platforms import current_platform
+
     classes = [Worker]
-    try:
+    if current_platform.is_cpu():
+        # only there: importing the CPU worker replaces torch.cuda's streams and events with
+        # no-op placeholders process-wide (vllm/v1/worker/cpu/shm.py, in CUDA wheels too)
         from vllm.v1.worker.cpu_worker import CPUWorker
 
         classes.append(CPUWorker)
-    except ImportError:  # a CUDA build of vLLM
-        pass
     for cls in classes:
         original = cls.__dict__.get("compile_or_warm_up_model")
         if original is None or getattr(original, "__moet__", False):
