@@ -575,26 +575,29 @@ __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
 
 // Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 2^job_shift
 // per job: 8, or 16 for prefill), pair flags, the miss counter and the routed mask. Blocks 1..:
-// activation quantization. Two tiers (fp4_slot_table non-null): an expert is computed from its FP4
-// slot where it has one, else from its slot_table slot, else it is a miss (design.md, Residency).
-// The FP4 tier's jobs come first: n_jobs = {0, FP4 jobs, all jobs}, so the FP4 GEMMs take jobs
-// [n_jobs[0], n_jobs[1]) and the other tier's [n_jobs[1], n_jobs[2]); job_slot holds the slot in
-// that tier's pool. The job lists are a stable counting sort: counts with shared-memory atomics
+// activation quantization. Up to three tiers, by preference: the FP4 pool (fp4_slot_table
+// non-null), the device pool (slot_table), and rows of pinned host memory read in place
+// (host_slot_table non-null: rows the GPU reads over the bus, no fetch, no replay); an expert no
+// tier holds is a miss (design.md, Residency). Jobs are grouped by tier in that order: n_jobs =
+// {0, FP4 jobs, + device jobs, + host jobs}, so tier t's GEMMs take jobs [n_jobs[t],
+// n_jobs[t + 1]); job_slot holds the slot (row) in that tier's pool. The job lists are a stable counting sort: counts with shared-memory atomics
 // (their order does not matter), then tiles of 256 pairs placed by rank: a pair's place is the
 // expert's pairs in earlier tiles + in earlier warps of this tile + in lower lanes of its warp
 // (match_any).
 template <typename T>
 __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
-                      const int* slot_table, const int* fp4_slot_table, int n_experts,
-                      const int* n_real, int* miss_count, uint8_t* routed, int8_t* xq, float* xs,
-                      int job_shift, int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {
+                      const int* slot_table, const int* fp4_slot_table,
+                      const int* host_slot_table, int n_experts, const int* n_real,
+                      int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int job_shift,
+                      int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {
   const int job_tok = 1 << job_shift;
   pdl_enter();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS_R = ROUTE_THREADS / 32;
   if (blockIdx.x == 0) {
-    __shared__ int s_slot[MAX_EXPERTS];     // the chosen tier's slot, -1: not resident
-    __shared__ uint8_t s_fp4[MAX_EXPERTS];  // the chosen tier is the FP4 one
+    constexpr int TIERS = 3;                 // FP4, device, host
+    __shared__ int s_slot[MAX_EXPERTS];      // the chosen tier's slot, -1: not resident
+    __shared__ uint8_t s_tier[MAX_EXPERTS];  // the chosen tier
     __shared__ int s_cnt[MAX_EXPERTS];      // pass 1: pairs per expert; pass 2: pairs placed
     __shared__ int s_base[MAX_EXPERTS];     // first job of each expert
     __shared__ uint8_t s_wcnt[WARPS_R][MAX_EXPERTS];  // this tile's pairs per (warp, expert)
@@ -603,9 +606,10 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     constexpr int PER = MAX_EXPERTS / ROUTE_THREADS;  // experts owned by each thread
     const int n_pairs = n_tok * top_k;
     for (int e = tid; e < n_experts; e += ROUTE_THREADS) {
-      const int s4 = fp4_slot_table ? fp4_slot_table[e] : -1;
-      s_fp4[e] = s4 >= 0;
-      s_slot[e] = s4 >= 0 ? s4 : slot_table[e];
+      const int s4 = fp4_slot_table ? fp4_slot_table[e] : -1, s2 = slot_table[e];
+      const int sh = host_slot_table ? host_slot_table[e] : -1;
+      s_tier[e] = s4 >= 0 ? 0 : s2 >= 0 ? 1 : 2;
+      s_slot[e] = s4 >= 0 ? s4 : s2 >= 0 ? s2 : sh;
       s_cnt[e] = 0;
 #pragma unroll
       for (int w = 0; w < WARPS_R; ++w) s_wcnt[w][e] = 0;
@@ -617,42 +621,35 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     }
     __syncthreads();
     const int e0 = tid * PER;
-    int fp4_mine = 0, other_mine = 0;  // this thread's experts' jobs, by tier
+    int mine[TIERS] = {0, 0, 0};  // this thread's experts' jobs, by tier
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int e = e0 + q;
       if (e >= n_experts || s_slot[e] < 0) continue;
-      const int nj = (s_cnt[e] + job_tok - 1) >> job_shift;
-      if (s_fp4[e])
-        fp4_mine += nj;
-      else
-        other_mine += nj;
+      mine[s_tier[e]] += (s_cnt[e] + job_tok - 1) >> job_shift;
     }
-    int fp4_job = block_exclusive_scan(fp4_mine, &s_total, warp_sums);
-    const int fp4_jobs = s_total;
-    __syncthreads();  // warp_sums and s_total are reused
-    int other_job = fp4_jobs + block_exclusive_scan(other_mine, &s_total, warp_sums);
+    int next[TIERS];  // this thread's first job, by tier
+    int first = 0;    // the tier's first job
+#pragma unroll
+    for (int t = 0; t < TIERS; ++t) {
+      next[t] = first + block_exclusive_scan(mine[t], &s_total, warp_sums);
+      first += s_total;
+      if (tid == 0) n_jobs[t + 1] = first;
+      __syncthreads();  // warp_sums and s_total are reused
+    }
+    if (tid == 0) n_jobs[0] = 0;
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int e = e0 + q;
       if (e >= n_experts) break;
-      const bool fp4 = s_fp4[e];
-      const int base = fp4 ? fp4_job : other_job;
+      const int base = next[s_tier[e]];
       const int nj = s_slot[e] >= 0 ? (s_cnt[e] + job_tok - 1) >> job_shift : 0;
       s_base[e] = base;
       for (int j = base; j < base + nj; ++j) {
         job_slot[j] = s_slot[e];
         for (int i = 0; i < job_tok; ++i) job_pairs[(j << job_shift) + i] = -1;
       }
-      if (fp4)
-        fp4_job += nj;
-      else
-        other_job += nj;
-    }
-    if (tid == 0) {
-      n_jobs[0] = 0;
-      n_jobs[1] = fp4_jobs;
-      n_jobs[2] = fp4_jobs + s_total;
+      next[s_tier[e]] += nj;
     }
     __syncthreads();  // every expert's count is read before it is reset
     for (int e = tid; e < n_experts; e += ROUTE_THREADS) s_cnt[e] = 0;
@@ -717,11 +714,13 @@ __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(
 #define MOET_ROUTE(NAME, T)                                                                        \
   extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                      \
       NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,             \
-           const int* slot_table, const int* fp4_slot_table, int n_experts, const int* n_real,     \
-           int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int job_shift, int* n_jobs,    \
-           int* job_slot, int* job_pairs, uint8_t* pair_ok) {                                      \
-    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, fp4_slot_table, n_experts,        \
-             n_real, miss_count, routed, xq, xs, job_shift, n_jobs, job_slot, job_pairs, pair_ok); \
+           const int* slot_table, const int* fp4_slot_table, const int* host_slot_table,           \
+           int n_experts, const int* n_real, int* miss_count, uint8_t* routed, int8_t* xq,         \
+           float* xs, int job_shift, int* n_jobs, int* job_slot, int* job_pairs,                   \
+           uint8_t* pair_ok) {                                                                     \
+    route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, fp4_slot_table, host_slot_table,  \
+             n_experts, n_real, miss_count, routed, xq, xs, job_shift, n_jobs, job_slot,           \
+             job_pairs, pair_ok);                                                                  \
   }
 MOET_ROUTE(moet_route_bf16, __nv_bfloat16)
 MOET_ROUTE(moet_route_f16, __half)

@@ -4,7 +4,8 @@
 this machine): every launch must pass as many arguments as the kernel declares, each of the
 declared size (`param_sizes` in sass/<cubin>.json, which the SASS audit reads from the cubin's
 ELF and keeps in step with the source), in the order the op promises: route, w13 per tier,
-requant, w2 per tier, combine, with each tier's GEMMs over its own job range; prefill batches
+requant, w2 per tier, combine, with each tier's GEMMs over its own job range (FP4, device, host
+rows read in place); prefill batches
 (16 pairs per expert on average) take the GEMMs' `_t16` variants and jobs of 16 pairs, unless a
 tier has none (NVFP4).
 """
@@ -53,7 +54,7 @@ def declared() -> dict[str, list[list[int]]]:
     return out
 
 
-def record(monkeypatch, dtype, fp4: str | None, n_tok: int):
+def record(monkeypatch, dtype, fp4: str | None, n_tok: int, host: bool = False):
     rec = Recorder()
     monkeypatch.setattr(ops, "load", lambda dev: rec)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -62,7 +63,11 @@ def record(monkeypatch, dtype, fp4: str | None, n_tok: int):
     pool = torch.zeros(5, lay.row_bytes, dtype=torch.uint8)
     pool4 = torch.zeros(5, lay4.row_bytes, dtype=torch.uint8)
     table, table4 = torch.zeros(E, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
-    tiers = [(pool4, table4, lay4), (pool, table, lay)] if fp4 else [(pool, table, lay)]
+    host_pool, host_table = torch.zeros(7, lay.row_bytes, dtype=torch.uint8), table.clone()
+    tiers = {"fp4": (pool4, table4, lay4)} if fp4 else {}
+    tiers["device"] = (pool, table, lay)
+    if host:
+        tiers["host"] = (host_pool, host_table, lay)
     args = (
         torch.zeros(n_tok, H, dtype=dtype),
         torch.zeros(n_tok, K, dtype=torch.int32),
@@ -74,19 +79,20 @@ def record(monkeypatch, dtype, fp4: str | None, n_tok: int):
     )
     ops._gpu(*args)
     (ws,) = ops._workspaces.values()
-    return rec.launches, ws, table4
+    return rec.launches, ws, table4, host_pool, host_table
 
 
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host-rows"])
 @pytest.mark.parametrize("n_tok", [DECODE, PREFILL])
 @pytest.mark.parametrize("fp4", [None, "fp4r", "fp4x-nvfp4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_tok) -> None:
-    launches, ws, table4 = record(monkeypatch, dtype, fp4, n_tok)
+def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_tok, host) -> None:
+    launches, ws, table4, host_pool, host_table = record(monkeypatch, dtype, fp4, n_tok, host)
     out = ops.OUT_KERNELS[dtype]
     # prefill jobs where every tier has the kernels for them (not NVFP4: ops.PREFILL_TIERS)
     prefill_jobs = n_tok == PREFILL and fp4 != "fp4x-nvfp4"
     prefill = "_t16" if prefill_jobs else ""
-    gemm = [ops.GEMM_KERNELS[fp4] + prefill, prefill] if fp4 else [prefill]
+    gemm = ([ops.GEMM_KERNELS[fp4] + prefill] if fp4 else []) + [prefill] * (1 + host)
     want = [f"moet_route_{out}", *(f"moet_w13{g}" for g in gemm), "moet_requant",
             *(f"moet_w2{g}" for g in gemm), f"moet_combine_{out}"]  # fmt: skip
     assert [name for name, *_ in launches] == want
@@ -96,16 +102,21 @@ def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_
         for declared_sizes in sizes[name]:  # every arch's cubin
             assert [ctypes.sizeof(a) for a in args] == declared_sizes, name
         assert 1 <= grid <= 8 * Recorder.sms and block in (128, 256)
-    # the FP4 table goes to the route kernel; each tier's GEMMs read their job range from
-    # route's n_jobs = {0, FP4 jobs, all jobs}
+    # the FP4 and host tables go to the route kernel; each tier's GEMMs read their job range
+    # from route's n_jobs = {0, FP4 jobs, + device jobs, + host jobs}, the host rows' GEMMs
+    # their rows from the host pool
     route_args = launches[0][3]
     assert route_args[7].value == (table4.data_ptr() if fp4 else None)
-    assert route_args[14].value == (4 if prefill_jobs else 3)  # log2 of the job size
+    assert route_args[8].value == (host_table.data_ptr() if host else None)
+    assert route_args[15].value == (4 if prefill_jobs else 3)  # log2 of the job size
     assert tuple(ws.job_pairs.shape) == (ws.max_jobs, 16 if prefill_jobs else 8)
     n_jobs = ws.n_jobs.data_ptr()
     ranges = [args[10].value for name, _, _, args in launches if name.startswith("moet_w13")]
     ranges += [args[9].value for name, _, _, args in launches if name.startswith("moet_w2")]
-    assert ranges == ([n_jobs, n_jobs + 4] * 2 if fp4 else [n_jobs + 4] * 2)
+    starts = ([n_jobs] if fp4 else []) + [n_jobs + 4] + ([n_jobs + 8] if host else [])
+    assert ranges == starts * 2
+    gemm_pools = [args[0].value for name, _, _, args in launches if name.startswith("moet_w13")]
+    assert (gemm_pools[-1] == host_pool.data_ptr()) == host
 
 
 def test_the_manifests_name_every_parameter_list() -> None:
@@ -160,7 +171,7 @@ def _args(n_tok: int):
         torch.zeros(n_tok, H, dtype=torch.bfloat16),
         torch.zeros(n_tok, K, dtype=torch.int32),
         torch.zeros(n_tok, K),
-        [(pool, torch.zeros(E, dtype=torch.int32), lay)],
+        {"device": (pool, torch.zeros(E, dtype=torch.int32), lay)},
         torch.tensor([n_tok], dtype=torch.int32),
         torch.zeros(1, dtype=torch.int32),
         torch.zeros(E, dtype=torch.uint8),

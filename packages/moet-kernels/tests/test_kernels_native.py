@@ -461,6 +461,50 @@ def test_op_on_cpu_is_the_reference_over_native_rows(tier) -> None:
         w2_moe_slots(x, ids, w, native, table, hidden, inter, n_real, miss, routed, "fp4x-nvfp4")
 
 
+def test_host_rows_are_read_where_the_device_pool_lacks_an_expert() -> None:
+    """device slot > host row > miss, per expert: the op over a device pool and a host pool
+    equals the op over one pool holding, per expert, the row it should have chosen; a host row
+    is computed, not counted as a miss; only experts neither holds are."""
+    rng = np.random.default_rng(11)
+    hidden, inter, n_experts, top_k, tokens = 96, 32, 8, 2, 9
+    lay = NativeRowLayout(hidden, inter)
+    dev_rows = torch.from_numpy(
+        lay.pack(**logical_sections(rng, n_experts, hidden, inter, 119, 125))
+    )
+    host_rows = torch.from_numpy(
+        lay.pack(**logical_sections(rng, n_experts, hidden, inter, 119, 125))
+    )
+    on_dev, on_host = {0, 1, 2, 3}, {2, 3, 4, 5, 6}  # 2, 3: both (the device's wins); 7: neither
+    dev_order, host_order = rng.permutation(n_experts), rng.permutation(n_experts)
+    dev_pool, host_pool = torch.empty_like(dev_rows), torch.empty_like(host_rows)
+    dev_pool[dev_order], host_pool[host_order] = dev_rows, host_rows
+    dev_table = torch.tensor([dev_order[e] if e in on_dev else -1 for e in range(n_experts)],
+                             dtype=torch.int32)  # fmt: skip
+    host_table = torch.tensor([host_order[e] if e in on_host else -1 for e in range(n_experts)],
+                              dtype=torch.int32)  # fmt: skip
+    chosen = torch.stack([dev_rows[e] if e in on_dev else host_rows[e] for e in range(n_experts)])
+    chosen_table = torch.tensor([e if e in on_dev | on_host else -1 for e in range(n_experts)],
+                                dtype=torch.int32)  # fmt: skip
+    x = torch.from_numpy(rng.standard_normal((tokens, hidden)).astype(np.float32))
+    ids = torch.from_numpy(np.stack([rng.permutation(n_experts)[:top_k] for _ in range(tokens)]))
+    w = torch.rand(tokens, top_k)
+    n_real = torch.tensor([tokens - 2], dtype=torch.int32)
+
+    def run(pool, table, **host):
+        miss, routed = torch.zeros(1, dtype=torch.int32), torch.zeros(n_experts, dtype=torch.uint8)
+        out = w2_moe_slots(x, ids, w, pool, table, hidden, inter, n_real, miss, routed, **host)
+        return out, int(miss), routed
+
+    got, miss, routed = run(dev_pool, dev_table, host_pool=host_pool, host_slot_table=host_table)
+    want, want_miss, want_routed = run(chosen, chosen_table)
+    assert torch.equal(got, want) and torch.equal(routed, want_routed)
+    assert miss == want_miss == int((ids[: tokens - 2] == 7).sum())
+    without, *_ = run(dev_pool, dev_table)  # the host rows did contribute
+    assert not torch.equal(got, without)
+    with pytest.raises(ValueError, match="host_pool and host_slot_table go together"):
+        run(dev_pool, dev_table, host_pool=host_pool)
+
+
 def test_custom_op_registration_and_fake() -> None:
     rng = np.random.default_rng(6)
     hidden, inter, n_experts = 64, 32, 4

@@ -191,8 +191,14 @@ def test_the_op_refuses_a_bad_fp4_tier() -> None:
         w2_moe_slots(*args, pool4, table4.long(), "fp4r")
     # a tensor on another device than x (checked before the dispatch, which a meta tensor would
     # send to the fake implementation)
-    tiers = [(pool4.to("meta"), table4, lay4), (pool2, table2, lay2)]
+    tiers = {"fp4": (pool4.to("meta"), table4, lay4), "device": (pool2, table2, lay2)}
     with pytest.raises(ValueError, match="fp4_pool is on meta but x is on cpu"):
         _check_args(x, ids, w, tiers, args[7], args[8], args[9])
+    device = {"device": tiers["device"]}
     with pytest.raises(ValueError, match="miss_count is on meta but x is on cpu"):
-        _check_args(x, ids, w, tiers[1:], args[7], args[8].to("meta"), args[9])
+        _check_args(x, ids, w, device, args[7], args[8].to("meta"), args[9])
+    # host rows: in host memory (pinned, beside a CUDA x), their table on x's device
+    with pytest.raises(ValueError, match="host_pool must be host memory"):
+        _check_args(x, ids, w, {**device, "host": (pool2.to("meta"), table2, lay2)}, *args[7:10])
+    with pytest.raises(ValueError, match="host_slot_table is on meta but x is on cpu"):
+        _check_args(x, ids, w, {**device, "host": (pool2, table2.to("meta"), lay2)}, *args[7:10])

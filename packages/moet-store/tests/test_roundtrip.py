@@ -190,3 +190,24 @@ def test_auto_engine_for_buffered_only_stores_is_the_pread_pool(tmp_path):
     with moet_store.open_store(tmp_path, spec, backend="pagecache") as st:
         info = st.runtime_info()
         assert info["engine"] == "pread" and "buffered reads only" in info["engine_reason"]
+
+
+def test_ram_rows_have_fixed_arena_slots_holding_their_bytes(pack):
+    """The ram backend's arena holds every row from the open on, where arena_slot says (what
+    reading rows in place relies on); other backends' rows have a slot only while resident."""
+    import ctypes
+
+    d, spec, rows = pack
+    with moet_store.open_store(d, spec, backend="ram", direct=False) as st:
+        arena = (ctypes.c_uint8 * st.arena_bytes).from_address(st.arena_address)
+        slots = set()
+        for layer, expert in all_keys(spec):
+            slot = st.arena_slot(layer, expert)
+            assert slot >= 0
+            slots.add(slot)
+            start = slot * spec.stride
+            got = bytes(arena[start : start + spec.row_bytes])
+            assert got == bytes(rows[layer][expert]), (layer, expert)
+        assert len(slots) == spec.n_layers * spec.n_experts
+    with moet_store.open_store(d, spec, backend="pagecache") as st:
+        assert st.arena_slot(0, 0) == -1

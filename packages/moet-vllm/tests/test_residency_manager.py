@@ -17,6 +17,7 @@ from moet_kernels.layout import RowLayout
 from moet_kernels.reference import (
     Routing,
     route_reference,
+    tiered_moe_slots_reference,
     w2_moe_reference,
     w2_moe_slots_reference,
 )
@@ -75,9 +76,9 @@ class Stack:
             else:
                 table, routed = mgr.layer_tables(layer, ids)
                 n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else h.shape[0]
-                y = w2_moe_slots_reference(
-                    h, ids, w, mgr.pool, table, LAYOUT, n_real, mgr.miss_count, routed
-                )
+                host = mgr.host_rows(layer)  # reading in place: the host tier after the pool
+                tiers = [(mgr.pool, table, LAYOUT)] + ([(*host, LAYOUT)] if host else [])
+                y = tiered_moe_slots_reference(h, ids, w, tiers, n_real, mgr.miss_count, routed)
             h = h + y
         return h
 
@@ -117,6 +118,38 @@ def test_tiered_outputs_are_bit_identical_to_the_resident_stack(tmp_path, n_slot
     if n_slots == 4:  # smaller than some decode steps' working sets: streamed through staging
         assert c.streamed_steps > 0 and c.staged_rows > 0
     assert "replay" in mgr.kpi_line()
+
+
+@pytest.mark.parametrize("n_slots", [4, 12, L * E])
+def test_reading_in_place_is_bit_identical_without_a_sync_or_replay(tmp_path, n_slots):
+    """host_tier=ram, read_in_place: what the pool lacks is computed from the host rows, so no
+    step replays; the pool still takes what steps read (promotions, one step later), and a pool
+    of every expert stops reading from host memory once warm."""
+    stack = Stack(100 + n_slots, tmp_path)
+    mgr = manager(stack, n_slots, read_in_place=True)
+    assert mgr.host_pool is not None and mgr.host_pool.data_ptr() == mgr.store.arena_address
+    late_reads = 0
+    for i, (x, scan) in enumerate(steps(n_slots, 40)):
+        want = stack.forward(x, None)
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
+        assert torch.equal(got, want)
+        if i == 30:
+            late_reads = mgr.counters.host_read_rows
+    c = mgr.counters
+    assert c.steps == 40 and c.replays == c.replayed_steps == c.missing_pairs == 0
+    assert c.host_read_steps > 0 and c.host_read_rows > 0 and c.fetched_rows > 0
+    assert c.streamed_steps == 0  # a step larger than the pool reads the rest in place
+    if n_slots == L * E:  # warm: the last steps found every expert in the pool
+        assert c.host_read_rows == late_reads
+    assert "read in place" in mgr.kpi_line()
+
+
+def test_reading_in_place_needs_every_row_in_host_memory(tmp_path):
+    stack = Stack(5, tmp_path)
+    with pytest.raises(MoetResidencyError, match="read_in_place needs host_tier='ram'"):
+        manager(stack, 8, store=stack.store("pagecache"), read_in_place=True)
 
 
 def test_second_order_misses_are_replayed(tmp_path):

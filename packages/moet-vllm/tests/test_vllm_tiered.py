@@ -65,6 +65,25 @@ def test_a_pool_of_37_percent_serves_the_resident_tokens(model, cache, tmp_path)
     assert "warm start: 0 experts preloaded" in log
 
 
+def test_reading_in_place_serves_the_resident_tokens_and_logprobs_without_a_replay(
+    model, cache, tmp_path
+):
+    """read_in_place (host_tier=ram): a pool of 25% computes what it lacks from the host rows:
+    every token and logprob equals the resident run's, bit for bit, no step replays, and steps
+    did read experts in place."""
+    flags, prompts = ["--max-num-seqs", "2"], fixture_prompts(4)
+    resident = run_vllm(model, tmp_path, "resident-in-place", extra=flags, prompts=prompts)
+    env = {"MOET_GPU_POOL": "48", "MOET_READ_IN_PLACE": "1", "MOET_KPI_EVERY": "2",
+           "MOET_CACHE_DIR": str(cache)}  # fmt: skip
+    tiered = run_vllm(model, tmp_path, "in-place", env=env, extra=flags, prompts=prompts)
+    assert tiered["tokens"] == resident["tokens"]
+    assert tiered["logprobs"] == resident["logprobs"]
+    log = tiered["log"]
+    assert kpis(log) and max(kpis(log)) == 0.0, log[-3000:]  # no step replayed
+    read = [float(m) for m in re.findall(r"read in place ([\d.]+)% of steps", log)]
+    assert read and max(read) > 0, log[-3000:]
+
+
 def test_sixteen_concurrent_requests_below_the_floor_with_a_warm_start(model, cache, tmp_path):
     """16 prompts queued at once, 4 running together, a pool of 48 slots (below the floor of 56
     for 4 sequences: consented): every output equals the resident run's; the hot set saved by

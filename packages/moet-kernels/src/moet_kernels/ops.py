@@ -1,12 +1,15 @@
 """The MoE op: the GPU kernels where they run, the torch reference elsewhere.
 
 `w2_moe_slots(x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens,
-miss_count, routed, tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r")` has the
-semantics of `reference.tiered_moe_slots_reference` (tiered residency, design.md) over pools of
-expert rows in `layout.NativeRowLayout(hidden, inter, tier)`: W2 rows, or FP4 rows of the `fp4r` /
-`fp4x-mxfp4` tiers (e2m1 with UE8M0 scales per 32) or the `fp4x-nvfp4` tier (e2m1 with e4m3 scales
-per 16 and a float32 scale per row), and optionally an FP4 pool preferred over them (FP4 slot >
-2-bit slot > miss). On a CUDA device with the kernels it runs route (job lists
+miss_count, routed, tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r",
+host_pool=None, host_slot_table=None)` has the semantics of
+`reference.tiered_moe_slots_reference` (tiered residency, design.md) over pools of expert rows in
+`layout.NativeRowLayout(hidden, inter, tier)`: W2 rows, or FP4 rows of the `fp4r` / `fp4x-mxfp4`
+tiers (e2m1 with UE8M0 scales per 32) or the `fp4x-nvfp4` tier (e2m1 with e4m3 scales per 16 and
+a float32 scale per row), optionally an FP4 pool preferred over them, and optionally rows of
+`tier` in pinned host memory that the GPU reads in place where the device pool lacks an expert
+(FP4 slot > device slot > host row > miss: a host row is computed, never a miss, at the bus's
+speed). On a CUDA device with the kernels it runs route (job lists
 by tier, miss counter, routed mask, int8 activations), w13 per tier (SiLU(gate) * up in float32),
 requant (the down projection's int8 input), w2 per tier, combine; all buffers have fixed
 addresses per batch shape, so the op is CUDA-graph capturable once it has run eagerly for that
@@ -78,7 +81,7 @@ class _Arena:
         self.weights = z(pairs, torch.float32)
         self.xq = z(tokens * lay.hidden_p, torch.int8)
         self.xs = z(tokens * (lay.hidden_p // CHUNK), torch.float32)
-        self.n_jobs = z(3, torch.int32)  # {0, FP4-tier jobs, all jobs}
+        self.n_jobs = z(4, torch.int32)  # {0, FP4 jobs, + device jobs, + host jobs}
         self.job_slot = z(jobs, torch.int32)
         # either job size: (ceil(P / t) + min(E, P)) * t <= P + t + t * E
         self.job_pairs = z(pairs + PREFILL_JOB * (1 + n_experts), torch.int32)
@@ -121,6 +124,8 @@ _workspaces: dict[tuple, _Workspace] = {}  # per batch shape (workspace_key): vi
 _noted_fallback = False
 
 
+# the route kernel's tiers, by preference: its jobs come in this order (n_jobs)
+TIER_JOBS = ("fp4", "device", "host")
 # tier -> the GEMM kernels' name suffix
 GEMM_KERNELS = {"w2": "", "fp4r": "_fp4", "fp4x-mxfp4": "_fp4", "fp4x-nvfp4": "_nvfp4"}
 FP4_TIERS = tuple(t for t in GEMM_KERNELS if t != "w2")  # what fp4_pool may hold
@@ -197,20 +202,19 @@ def _as(t: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor) -> torch.Tens
 
 
 def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
-    """The kernels over `tiers`: [(pool, slot_table, layout)] in order of preference (the FP4
-    tier first when there are two)."""
+    """The kernels over `tiers`: {"fp4" | "device" | "host": (pool, slot_table, layout)}."""
     dev = x.device
     n_tok, hidden = x.shape
     top_k = topk_ids.shape[1]
-    slot_table = tiers[-1][1]
+    slot_table = tiers["device"][1]
     n_experts = slot_table.shape[0]
     if n_experts > MAX_EXPERTS:
         raise ValueError(f"the route kernel handles up to {MAX_EXPERTS} experts, got {n_experts}")
     if x.dtype not in OUT_KERNELS:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    lay = tiers[-1][2]
+    lay = tiers["device"][2]
     mod = load(dev)
-    ws = _workspace(dev, n_tok, top_k, tiers, n_experts)
+    ws = _workspace(dev, n_tok, top_k, list(tiers.values()), n_experts)
     ids = _as(topk_ids, torch.int32, ws.ids)
     weights = _as(topk_weights, torch.float32, ws.weights)
     x = x.contiguous()
@@ -218,13 +222,17 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
     i32, i64 = ctypes.c_int, ctypes.c_longlong
     kind = OUT_KERNELS[x.dtype]
     warps = n_tok * (lay.hidden_p // CHUNK)  # activation quantization: a warp per chunk
-    fp4_table = _ptr(tiers[0][1]) if len(tiers) == 2 else ctypes.c_void_p(0)
+
+    def table(name):
+        return _ptr(tiers[name][1]) if name in tiers else ctypes.c_void_p(0)
+
     mod.launch(
         f"moet_route_{kind}",
         1 + min(-(-warps // 8), 4 * mod.sms),
         256,
         [_ptr(x), i32(n_tok), i32(hidden), i32(lay.hidden_p), _ptr(ids), i32(top_k),
-         _ptr(slot_table), fp4_table, i32(n_experts), _ptr(n_real_tokens), _ptr(miss_count),
+         _ptr(slot_table), table("fp4"), table("host"), i32(n_experts), _ptr(n_real_tokens),
+         _ptr(miss_count),
          _ptr(routed), _ptr(ws.xq), _ptr(ws.xs), i32(ws.job_tok.bit_length() - 1), _ptr(ws.n_jobs),
          _ptr(ws.job_slot),
          _ptr(ws.job_pairs), _ptr(ws.pair_ok)],
@@ -232,12 +240,12 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
 
     def gemms(proj: str, units: int, k: int, inputs: list, outputs: list) -> None:
         """moet_w13 or moet_w2 once per tier, each over its jobs: route's n_jobs holds {0, FP4
-        jobs, all jobs}, so the FP4 tier's range starts at n_jobs[0], the other's at n_jobs[1].
+        jobs, + device jobs, + host jobs}, so tier t's range starts at n_jobs[t] (TIER_JOBS).
         Prefill jobs (16 pairs) take the kernels' _t16 variants."""
         prefill = "_t16" if ws.job_tok == PREFILL_JOB else ""
-        for i, (pool, _, tl) in enumerate(tiers):
+        for where, (pool, _, tl) in tiers.items():
             name = f"moet_{proj}{GEMM_KERNELS[tl.tier.name]}{prefill}"
-            first = 0 if i == 0 and len(tiers) == 2 else 1
+            first = TIER_JOBS.index(where)
             mod.launch(
                 name,
                 mod.persistent_grid(name, 128, ws.max_jobs * units),
@@ -271,7 +279,7 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
 
 
 def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
-    lay = tiers[-1][2]
+    lay = tiers["device"][2]
     if x.dim() != 2 or x.shape[1] != lay.hidden:
         raise ValueError(f"x must be [T, {lay.hidden}], got {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
@@ -281,7 +289,8 @@ def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, rou
         )
     checks = [("n_real_tokens", n_real_tokens, torch.int32), ("miss_count", miss_count, torch.int32),
               ("routed", routed, torch.uint8)]  # fmt: skip
-    named = [("fp4_" if i < len(tiers) - 1 else "", *t) for i, t in enumerate(tiers)]  # FP4 first
+    prefixes = {"fp4": "fp4_", "device": "", "host": "host_"}
+    named = [(prefixes[where], *t) for where, t in tiers.items()]
     for prefix, pool, table, tl in named:
         if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] < tl.row_bytes:
             raise ValueError(
@@ -299,13 +308,21 @@ def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, rou
     for name, t, dtype in checks:
         if t.dtype != dtype or not t.is_contiguous():
             raise TypeError(f"{name} must be a contiguous {dtype} tensor, got {t.dtype}")
-    pools = [(f"{prefix}pool", pool) for prefix, pool, _, _ in named]
+    pools = [(f"{prefix}pool", pool) for prefix, pool, _, _ in named if prefix != "host_"]
     for name, t in [("topk_ids", topk_ids), ("topk_weights", topk_weights), *pools,
                     *((n, t) for n, t, _ in checks)]:  # fmt: skip
         if t.device != x.device:
             raise ValueError(
                 f"{name} is on {t.device} but x is on {x.device}: the op reads every tensor on "
                 "x's device; move it there (a pool fetched to the GPU lives there)"
+            )
+    if "host" in tiers:
+        host = tiers["host"][0]
+        if host.device.type != "cpu" or (x.is_cuda and not host.is_pinned()):
+            raise ValueError(
+                f"host_pool must be host memory{', pinned' if x.is_cuda else ''} (the GPU reads "
+                f"its rows in place), got a tensor on {host.device}"
+                f"{'' if host.device.type != 'cpu' else ' not pinned'}"
             )
 
 
@@ -325,42 +342,56 @@ def w2_moe_slots(
     fp4_pool: torch.Tensor | None = None,
     fp4_slot_table: torch.Tensor | None = None,
     fp4_tier: str = "fp4r",
+    host_pool: torch.Tensor | None = None,
+    host_slot_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed-experts output [T, H] in x's dtype (module docstring). With `fp4_pool` and
     `fp4_slot_table`, an expert with an FP4 slot is computed from it (rows of `fp4_tier`), else
-    from its `slot_table` slot, else it is a miss: FP4 slot > 2-bit slot > miss."""
+    from its `slot_table` slot; with `host_pool` (pinned host memory, rows of `tier`) and
+    `host_slot_table` (on x's device), else from its host row; else it is a miss: FP4 slot >
+    device slot > host row > miss."""
     global _noted_fallback
     for name, t in (("tier", tier), ("fp4_tier", fp4_tier)):
         if t not in GEMM_KERNELS:
             raise ValueError(
                 f"{name} {t!r} has no kernels; kernel tiers: {', '.join(GEMM_KERNELS)}"
             )
-    tiers = [(pool, slot_table, native_layout(hidden, inter, tier))]
-    if (fp4_pool is None) != (fp4_slot_table is None):
-        raise ValueError("fp4_pool and fp4_slot_table go together: pass both or neither")
+    tiers = {}  # by preference (TIER_JOBS)
+    for name, p, t in (("fp4", fp4_pool, fp4_slot_table), ("host", host_pool, host_slot_table)):
+        if (p is None) != (t is None):
+            raise ValueError(f"{name}_pool and {name}_slot_table go together: pass both or neither")
     if fp4_pool is not None:
         if fp4_tier not in FP4_TIERS:
             raise ValueError(f"fp4_tier must be one of {', '.join(FP4_TIERS)}, got {fp4_tier!r}")
-        tiers.insert(0, (fp4_pool, fp4_slot_table, native_layout(hidden, inter, fp4_tier)))
+        tiers["fp4"] = (fp4_pool, fp4_slot_table, native_layout(hidden, inter, fp4_tier))
+    tiers["device"] = (pool, slot_table, native_layout(hidden, inter, tier))
+    if host_pool is not None:
+        tiers["host"] = (host_pool, host_slot_table, native_layout(hidden, inter, tier))
     _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed)
     if x.is_cuda:
         ok, why = _available(x.device.index)
         if ok:
             return _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed)
+        if "host" in tiers:
+            raise RuntimeError(
+                f"moet::w2_moe_slots: host rows are read in place by the kernels only ({why}); "
+                "without them pass no host_pool (misses are then fetched and replayed)"
+            )
     else:
         why = "tensors are on the CPU"
     if not _noted_fallback:
         log.info("moet-kernels: %s; using the torch reference (exact mode)", why)
         _noted_fallback = True
     return tiered_moe_slots_reference(
-        x, topk_ids, topk_weights, tiers, int(n_real_tokens[0]), miss_count, routed
+        x, topk_ids, topk_weights, list(tiers.values()), int(n_real_tokens[0]), miss_count, routed
     ).to(x.dtype)
 
 
 @w2_moe_slots.register_fake
 def _(
     x, topk_ids, topk_weights, pool, slot_table, hidden, inter, n_real_tokens, miss_count, routed,
-    tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r",
+    tier="w2", fp4_pool=None, fp4_slot_table=None, fp4_tier="fp4r", host_pool=None,
+    host_slot_table=None,
 ):  # fmt: skip
     return x.new_empty(x.shape[0], hidden)
 

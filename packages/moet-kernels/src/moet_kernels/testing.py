@@ -137,15 +137,20 @@ def routing(n_tok, n_experts, top_k, gen, dev="cuda"):
 
 
 def run_op(layers, x, ids, w, n_real, miss, routed):
-    """The op over `layers` (SyntheticLayer, or [FP4 layer, layer]: the first preferred)."""
+    """The op over `layers` by preference: a SyntheticLayer, or [FP4 layer,] device layer[, host
+    layer] (a layer whose pool is in host memory: rows read in place)."""
     from moet_kernels.ops import w2_moe_slots
 
     layers = layers if isinstance(layers, list) else [layers]
-    last = layers[-1]
+    host = {}
+    if layers[-1].pool.device.type == "cpu" and x.is_cuda:
+        host = {"host_pool": layers[-1].pool, "host_slot_table": layers[-1].slots}
+        layers = layers[:-1]
+    dev = layers[-1]
     fp4 = (layers[0].pool, layers[0].slots, layers[0].tier) if len(layers) == 2 else ()
     return w2_moe_slots(
-        x, ids, w, last.pool, last.slots, last.hidden, last.inter, n_real, miss, routed,
-        last.tier, *fp4,
+        x, ids, w, dev.pool, dev.slots, dev.hidden, dev.inter, n_real, miss, routed, dev.tier,
+        *fp4, **host,
     )  # fmt: skip
 
 
@@ -244,7 +249,8 @@ def stages(ws, held, holder, inter, x, ids, w, out) -> dict:
 class Case(NamedTuple):
     """One validation case: a shape of `SHAPES` at `tokens` tokens (`pad` of them padding rows),
     `resident` the share of experts with a slot, `tier` one tier or "a>b" (an `a` pool preferred
-    over a `b` one)."""
+    over a `b` one), "...>host" with a last pool of the device tier's rows in pinned host memory
+    (half the experts, drawn independently), read in place where the device pools lack one."""
 
     shape: str
     tokens: int
@@ -301,6 +307,12 @@ def _validation_cases() -> list[Case]:
     for tier in ("w2", "fp4r", "fp4x-nvfp4", "fp4x-mxfp4>w2"):
         plan.append(("fixture-e16", 64, f32, 0.8, 5, "wide", tier))
     plan.append(("qwen3-235b-tp4", 300, f32, 1.0, 0, "wide", "w2"))
+    # rows read in place from pinned host memory where the device pools lack an expert
+    plan.append(("glm-4.5-air", 1, f32, 0.6, 0, "trained", "w2>host"))
+    plan.append(("glm-4.5-air", 32, bf16, 0.5, 3, "trained", "w2>host"))
+    plan.append(("qwen3-235b-tp4", 33, bf16, 0.3, 5, "wide", "w2>host"))
+    plan.append(("fixture", 8, bf16, 0.5, 3, "trained", "fp4r>w2>host"))
+    plan.append(("fixture-e16", 64, bf16, 0.4, 3, "trained", "w2>host"))  # prefill jobs
     return [Case(*c) for c in plan]
 
 
@@ -321,6 +333,7 @@ SANITIZER_CASES = [
     Case("fixture-e16", 64, torch.float32, 0.8, 3, "wide", "w2"),  # prefill jobs
     Case("fixture-e16", 64, torch.bfloat16, 0.8, 3, "trained", "fp4r>w2"),
     Case("fixture-e16", 64, torch.bfloat16, 0.8, 3, "trained", "fp4x-nvfp4>w2"),
+    Case("fixture", 8, torch.bfloat16, 0.5, 3, "trained", "fp4r>w2>host"),
 ]
 
 
@@ -344,13 +357,21 @@ def validate_case(case: Case, seed: int, staged: bool = True) -> dict:
     hidden, inter, n_experts, top_k = SHAPES[case.shape]
     n_tok, tier = case.tokens, case.tier
     gen = torch.Generator(device="cuda").manual_seed(case_seed(seed, case))
-    # tier "a>b": an `a` pool (half the experts, drawn independently) preferred over a `b` one
+    # tier "a>b": an `a` pool (half the experts, drawn independently) preferred over a `b` one;
+    # "...>host": then the device tier's rows in pinned host memory (half, independently)
+    names = tier.split(">")
+    kernel_tiers = [t for t in names if t != "host"]
     layers = [
         SyntheticLayer(hidden, inter, n_experts, gen, scales=case.scales, tier=t,
-                       resident=0.5 if t != tier.split(">")[-1] else case.resident)
-        for t in tier.split(">")
+                       resident=0.5 if t != kernel_tiers[-1] else case.resident)
+        for t in kernel_tiers
     ]  # fmt: skip
     layer = layers[-1]
+    if "host" in names:
+        on_host = SyntheticLayer(hidden, inter, n_experts, gen, scales=case.scales,
+                                 tier=layer.tier, resident=0.5)  # fmt: skip
+        on_host.pool = on_host.pool.cpu().pin_memory()
+        layers.append(on_host)
     ids, w = routing(n_tok, n_experts, top_k, gen)
     x = (torch.randn(n_tok, hidden, device="cuda", generator=gen) * 0.5).to(case.dtype)
     n_real = max(1, n_tok - case.pad)
@@ -358,7 +379,7 @@ def validate_case(case: Case, seed: int, staged: bool = True) -> dict:
     result = {"case": case.shape, "id": case.id, "seed": seed, "hidden": hidden, "inter": inter,
               "experts": n_experts, "top_k": top_k, "tokens": n_tok, "real_tokens": n_real,
               "dtype": str(case.dtype),
-              "job_pairs": ops.job_size(n_tok * top_k, n_experts, tier.split(">")),
+              "job_pairs": ops.job_size(n_tok * top_k, n_experts, kernel_tiers),
               "resident": case.resident, "scales": case.scales, "tier": tier,
               "slow_tiles": layer.lay.slow_tile_fractions(layer.pool[0])}  # fmt: skip
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")

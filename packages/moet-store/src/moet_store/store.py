@@ -229,6 +229,11 @@ class Store:
     def is_resident(self, layer: int, expert: int) -> bool:
         return self._core.row_slot(layer * self.spec.n_experts + expert) >= 0
 
+    def arena_slot(self, layer: int, expert: int) -> int:
+        """The arena slot holding the row (at arena_address + slot * spec.stride), -1 if none.
+        With the ram backend every written row has one for the store's lifetime."""
+        return self._core.row_slot(layer * self.spec.n_experts + expert)
+
     def stats(self) -> dict:
         d = self._core.stats()
         lat = self._core.latency_us(False)

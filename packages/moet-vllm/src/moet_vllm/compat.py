@@ -351,9 +351,8 @@ def before_warm_up(hook) -> None:
     """`hook(worker)` runs first in every worker's `compile_or_warm_up_model`: after its KV cache
     is allocated and before CUDA graphs are captured (touch point 8; the GPU and CPU workers
     each define the method). `hook` must be idempotent."""
-    from vllm.v1.worker.gpu_worker import Worker
-
     from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import Worker
 
     classes = [Worker]
     if current_platform.is_cpu():

@@ -65,6 +65,9 @@ class MoetConfig:
     # fetch the experts a decode step's tokens are predicted to route first; auto: with the torch
     # reference only (under the kernels its host work and extra rows cost more than it saves)
     predict: bool | str = "auto"
+    # the pool's missing experts read in place from pinned host memory instead of fetched and
+    # replayed (host_tier=ram); auto: on a GPU with the kernels
+    read_in_place: bool | str = "auto"
     # -- checkpoint metadata (read from the checkpoint, never set by users) --
     modules_not_converted: tuple[str, ...] = ()
     source_format: str | None = None
@@ -101,6 +104,7 @@ USER_FIELDS = (
     "kpi_every",
     "below_floor_ok",
     "predict",
+    "read_in_place",
 )
 INT_FIELDS = {"miss_tolerance": 0, "max_replays": 1, "kpi_every": 0}  # field -> minimum
 # what a running server takes from `moet tune` (residency/metrics.py's run directory)
@@ -172,8 +176,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if not (math.isfinite(gib) and gib >= 0):
             raise bad(('"auto" or ' if name == "host_arena" else "") + "a size in GiB (>= 0)")
         return gib if name == "pool_reserve_gib" else text
-    if name in ("pack_cache", "below_floor_ok", "predict"):
-        if name == "predict" and value == "auto":
+    if name in ("pack_cache", "below_floor_ok", "predict", "read_in_place"):
+        if name in ("predict", "read_in_place") and value == "auto":
             return value
         if isinstance(value, bool):
             return value
@@ -182,7 +186,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise bad("a boolean (1/0, true/false)" + (' or "auto"' if name == "predict" else ""))
+        auto = name in ("predict", "read_in_place")
+        raise bad("a boolean (1/0, true/false)" + (' or "auto"' if auto else ""))
     if name == "cache_dir":
         if value is None or (isinstance(value, str) and value):
             return value

@@ -55,8 +55,8 @@ from moet_kernels.ops import native_layout, select_experts, w2_moe_slots
 from moet_kernels.reference import (
     Routing,
     route_reference,
+    tiered_moe_slots_reference,
     w2_moe_reference,
-    w2_moe_slots_reference,
 )
 from moet_quant.arch import family_for
 from moet_quant.checkpoint import text_config
@@ -215,14 +215,17 @@ class MoetMoEMethod(FusedMoEMethodBase):
         mgr = residency.active()
         if mgr is not None:
             table, routed = mgr.layer_tables(self.model_layer, ids)
+            host = mgr.host_rows(self.model_layer)  # read in place: (host_pool, its table row)
             if self.compute == "kernel":
                 return w2_moe_slots(
                     x, ids, weights, mgr.pool, table, self.hidden, self.inter, mgr.n_real,
                     mgr.miss_count, routed,
+                    **({"host_pool": host[0], "host_slot_table": host[1]} if host else {}),
                 )  # fmt: skip
             n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else x.shape[0]
-            out = w2_moe_slots_reference(
-                x, ids, weights, mgr.pool, table, mgr.layout, n_real, mgr.miss_count, routed,
+            tiers = [(mgr.pool, table, mgr.layout)] + ([(*host, mgr.layout)] if host else [])
+            out = tiered_moe_slots_reference(
+                x, ids, weights, tiers, n_real, mgr.miss_count, routed,
                 mode=REFERENCE_MODES[self.compute],
             )  # fmt: skip
             return out.to(x.dtype)
@@ -480,10 +483,15 @@ class MoetQuantConfig(QuantizationConfig):
     def start_residency(self, session: MoetLoadSession, layer, device: torch.device) -> None:
         """After the last MoE layer reached the packs: the pool, its host tier, the manager."""
         cfg = self._cfg
-        predict = cfg.predict if cfg.predict != "auto" else self._compute != "kernel"
+        kernels = self._compute == "kernel"
+        predict = cfg.predict if cfg.predict != "auto" else not kernels
+        in_place = cfg.read_in_place
+        if in_place == "auto":  # the kernels read pinned host rows over the bus
+            in_place = kernels and device.type == "cuda" and cfg.host_tier == "ram"
         start_residency(
-            cfg, session, layer.top_k, layer.moe_config.tp_rank, self._serving, device, predict
-        )
+            cfg, session, layer.top_k, layer.moe_config.tp_rank, self._serving, device, predict,
+            in_place,
+        )  # fmt: skip
 
     def load_session(self, layer, device: torch.device) -> MoetLoadSession | None:
         """The shared expert source for an official checkpoint, or any checkpoint under tiered

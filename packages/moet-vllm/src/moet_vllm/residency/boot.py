@@ -21,6 +21,7 @@ def start_residency(
     serving: tuple[int, int],
     device: torch.device,
     predict: bool,
+    read_in_place: bool,
 ) -> ResidencyManager:
     """The manager of this worker (activated): a pool of `cfg.gpu_pool` slots on `device` over
     the session's packs. `serving` = (max_num_seqs, speculative tokens per step): the floor."""
@@ -58,6 +59,7 @@ def start_residency(
         predict=predict,
         rank=tp_rank,
         device=device,
+        read_in_place=read_in_place,
     )
     if cfg.gpu_pool == "auto":
         mgr.auto = AutoPool(int(cfg.pool_reserve_gib * GIB), floor, cfg.below_floor_ok)

@@ -22,10 +22,18 @@ last, the policy learns what each input token routed (`policy.learn`). A step th
 (strict, the default) or, in approximate mode, is served and counted as unrestored. The MTP
 drafter's layer (its experts only ever routed by drafter passes, which are not replayed) is
 pinned resident, outside the policy's pool.
+
+Reading in place (`read_in_place`, the `ram` host tier): every expert row is in pinned host
+memory, so the route op computes an expert the pool lacks from its host row (`host_pool`,
+`host_table`), over the bus, and nothing misses: one pass per step, no sync, no replay (vLLM's
+asynchronous scheduling keeps its overlap). The pass's routed mask comes back asynchronously;
+the first later step that finds it arrived has the policy promote those experts into the pool,
+by copies queued on the stream before its own pass (so every pass reads the rows it was meant to).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import logging
@@ -87,6 +95,8 @@ class Counters:
     fetch_retries: int = 0
     predicted_steps: int = 0  # decode steps that fetched predicted experts before their forward
     predicted_rows: int = 0  # rows of those fetches (also in fetched_rows)
+    host_read_steps: int = 0  # reading in place: steps that read some expert from host memory
+    host_read_rows: int = 0  # the (layer, expert) rows they read
     window: dict = field(default_factory=dict)  # the counters at the last KPI line
 
 
@@ -110,6 +120,7 @@ class ResidencyManager:
         reduce_max=None,
         rank: int = 0,
         device: str | torch.device = "cpu",
+        read_in_place: bool = False,
     ):
         self.layout, self.n_experts, self.store = layout, n_experts, store
         self.moe_layers = list(moe_layers)  # model layer index of each MoE-layer ordinal
@@ -144,6 +155,13 @@ class ResidencyManager:
         self.auto: AutoPool | None = None  # gpu_pool=auto: sized by size_auto_pool()
         if self.device.type == "cuda":
             self._pin_host_tier()
+        # reading in place: the host tier's rows as a pool the op reads, and the step whose
+        # routed mask is on its way back (a CUDA event, or None on the CPU; and its scan flag)
+        self.host_pool: torch.Tensor | None = None
+        self.host_table: torch.Tensor | None = None
+        self._arriving: tuple | None = None
+        if read_in_place:
+            self._map_host_rows()
         self._allocate(n_slots)
 
     def _allocate(self, n_slots: int) -> None:
@@ -212,6 +230,12 @@ class ResidencyManager:
             self.counters.staged_rows += len(missing)
         return table, self.routed[o]
 
+    def host_rows(self, model_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Reading in place: (host_pool, this MoE layer's host_table row) for the op; else None."""
+        if self.host_pool is None:
+            return None
+        return self.host_pool, self.host_table[self.moe_layers.index(model_layer)]
+
     def _record(self, i: int, ids: torch.Tensor) -> None:
         """Copy a pass's routing of tiered layer `i` into `route_ids` (a device copy: inside a
         captured graph it is part of every replay). The buffer grows only outside a capture, to
@@ -252,6 +276,45 @@ class ResidencyManager:
                     int(rc),
                 )
 
+    def _map_host_rows(self) -> None:
+        """read_in_place: the store's arena as `host_pool` [arena slots, stride] and each
+        (layer, expert)'s arena slot in `host_table` (on the device). Every row must be there
+        and, on a GPU, the arena pinned: the kernels read it directly."""
+        st = self.store
+        stride, addr, size = st.spec.stride, st.arena_address, st.arena_bytes
+        if getattr(st, "backend", None) != "ram" or not addr:
+            raise MoetResidencyError(
+                f"moet: read_in_place needs host_tier='ram' (every expert row in host memory), "
+                f"got host_tier={getattr(st, 'backend', None)!r}: set host_tier=ram, or "
+                "read_in_place=false"
+            )
+        if self.device.type == "cuda" and addr not in self._pinned_host:
+            raise MoetResidencyError(
+                "moet: read_in_place: the host tier could not be pinned (cudaHostRegister "
+                "failed, logged above), so the GPU cannot read it in place: raise the locked-"
+                "memory limit (ulimit -l), or set read_in_place=false"
+            )
+        buf = (ctypes.c_uint8 * size).from_address(addr)
+        self.host_pool = torch.frombuffer(buf, dtype=torch.uint8)[: size // stride * stride].view(
+            -1, stride
+        )
+        table = np.array(
+            [
+                [st.arena_slot(o, e) for e in range(self.n_experts)]
+                for o in range(len(self.moe_layers))
+            ],
+            dtype=np.int32,
+        ).reshape(len(self.moe_layers), self.n_experts)
+        if (table < 0).any():
+            o, e = np.argwhere(table < 0)[0]
+            raise MoetResidencyError(
+                f"moet: read_in_place: the host tier lacks the row of MoE layer "
+                f"{self.moe_layers[o]}, expert {e} (pack {st.path}): rebuild the pack cache "
+                "(moet cache clear), or set read_in_place=false"
+            )
+        self._host_slots = table  # the host mirror, read between passes without a sync
+        self.host_table = torch.from_numpy(table).to(self.device)
+
     def _copy_rows(self, keys: list[tuple[int, int]], slots) -> None:
         """Read `keys` (ordinal, expert) from the host tier and copy them into `slots`, in one
         batch; retried, then MoetResidencyError. Nothing is published here. On a GPU the copies
@@ -260,6 +323,12 @@ class ResidencyManager:
             return
         t0 = time.perf_counter()
         cuda = self.pool.is_cuda
+        if self.host_pool is not None:  # rows that never move: queued copies, no wait
+            for (o, e), slot in zip(keys, slots, strict=True):
+                row = self.host_pool[int(self._host_slots[o, e])]
+                self.pool[int(slot)].copy_(row[: self.layout.row_bytes], non_blocking=cuda)
+            self._count_fetch(len(keys), t0)
+            return
         for attempt in range(1, self.fetch_attempts + 1):
             try:
                 with self.store.fetch(keys) as batch:
@@ -278,8 +347,11 @@ class ResidencyManager:
                         f"moet: fetching {len(keys)} experts from the pack files failed "
                         f"{attempt} times ({e}); the step's experts cannot be restored"
                     ) from None
-        self.counters.fetched_rows += len(keys)
-        self.counters.fetched_bytes += len(keys) * self.layout.row_bytes
+        self._count_fetch(len(keys), t0)
+
+    def _count_fetch(self, rows: int, t0: float) -> None:
+        self.counters.fetched_rows += rows
+        self.counters.fetched_bytes += rows * self.layout.row_bytes
         self.counters.fetch_seconds += time.perf_counter() - t0
 
     def apply(self, plan, scan: np.ndarray | None = None) -> None:
@@ -336,6 +408,8 @@ class ResidencyManager:
         self.n_real_tokens = n_real
         self.n_real.fill_(2**31 - 1 if n_real is None else n_real)
         self._apply_tuning()
+        if self.host_pool is not None:
+            return self._run_in_place(forward, scan)
         c = self.counters
         missed_first = 0
         self._token_ids = None
@@ -382,18 +456,70 @@ class ResidencyManager:
             c.replays += 1
             c.second_order += attempt > 0
         self.streaming = False
-        c.steps += 1
         c.replayed_steps += missed_first > 0
         c.missing_pairs += missed_first
         if not scan:
             self.policy.observe(keys)
         self._learn_tokens()
+        self._end_step()
+        return out
+
+    def _run_in_place(self, forward, scan: bool):
+        """One pass: what the pool lacks is read from host memory in place (nothing misses).
+        The routed mask of one pass at a time comes back asynchronously (pinned buffers, an
+        event); the first later step that finds it arrived promotes (`_promote_arrived`)."""
+        self._promote_arrived()
+        self.miss_count.zero_()
+        self.routed.zero_()
+        out = forward()
+        if self._arriving is None:
+            cuda = self.device.type == "cuda"
+            self._host_miss.copy_(self.miss_count, non_blocking=cuda)
+            self._host_routed.copy_(self.routed, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            self._arriving = (event, scan)
+        self._end_step()
+        return out
+
+    def _promote_arrived(self, wait: bool = False) -> None:
+        """If the routed mask on its way back arrived (or `wait`): count what that pass read
+        from host memory, and have the policy bring it into the pool, as after a demand miss
+        (prefill: free and probation slots only); copies queued on the stream, no wait."""
+        if self._arriving is None:
+            return
+        event, scan = self._arriving
+        if event is not None and not wait and not event.query():
+            return
+        if event is not None:
+            event.synchronize()
+        self._arriving = None
+        if int(self._host_miss[0]):  # every row is in the host tier: a miss is a broken table
+            raise MoetResidencyError(
+                f"moet: {int(self._host_miss[0])} routed experts had neither a pool slot nor a "
+                "host row while reading in place; refusing to serve zeroed experts"
+            )
+        o, e = np.nonzero(self._host_routed.numpy()[self.tiered])
+        keys = o.astype(np.int64) * self.n_experts + e
+        read = keys[self.policy.slot_table.ravel()[keys] < 0]
+        c = self.counters
+        c.host_read_steps += len(read) > 0
+        c.host_read_rows += len(read)
+        if not scan:
+            self.policy.observe(keys)
+        self._plan_and_apply(keys, scan)  # what finds no room stays read in place
+
+    def _end_step(self) -> None:
+        """A step's last bookkeeping: its count, the KPI line and the metrics file."""
+        c = self.counters
+        c.steps += 1
         kpi = bool(self.kpi_every) and c.steps % self.kpi_every == 0
         if kpi:
             log.info("%s", self.kpi_line())
             self.save_hot_set()
         self.publisher.publish(c, self.coverage, force=kpi)
-        return out
 
     def _learn_tokens(self) -> None:
         """Teach the policy what each input token of the step routed (the last pass's ids)."""
@@ -476,6 +602,11 @@ class ResidencyManager:
         second = c.second_order - w.get("second_order", 0)
         unrestored = c.unrestored_steps - w.get("unrestored_steps", 0)
         predicted = 100.0 * (c.predicted_steps - w.get("predicted_steps", 0)) / max(steps, 1)
+        in_place = ""
+        if self.host_pool is not None:
+            read = 100.0 * (c.host_read_steps - w.get("host_read_steps", 0)) / max(steps, 1)
+            rows = (c.host_read_rows - w.get("host_read_rows", 0)) / max(steps, 1)
+            in_place = f", read in place {read:.1f}% of steps ({rows:.2f} experts/step)"
         stats = self.store.stats() if hasattr(self.store, "stats") else {}
         hits, misses = stats.get("hit_rows", 0), stats.get("miss_rows", 0)
         arena = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
@@ -488,13 +619,15 @@ class ResidencyManager:
                 "second_order",
                 "unrestored_steps",
                 "predicted_steps",
+                "host_read_steps",
+                "host_read_rows",
             )
         }
         return (
             f"moet KPI: {steps} steps: replay {pct:.1f}% of steps, {pairs:.2f} missing pairs/step, "
             f"pool coverage {100 * self.coverage:.1f}%, second-order replays {second}, "
             f"unrestored steps {unrestored}, arena hit {arena}, predicted fetches {predicted:.1f}% "
-            "of steps"
+            f"of steps{in_place}"
         )
 
     def close(self) -> None:

@@ -46,6 +46,11 @@ COUNTERS = {
         "Decode steps that fetched predicted experts before their forward pass",
     ),
     "predicted_rows": ("moet_predicted_experts", "Expert rows fetched on a prediction"),
+    "host_read_steps": (
+        "moet_host_read_steps",
+        "Steps that read experts missing from the pool in place from host memory",
+    ),
+    "host_read_rows": ("moet_host_read_experts", "Expert rows read in place from host memory"),
 }
 
 
