@@ -499,8 +499,9 @@ def kernel_profile(llm, prompts: list) -> dict:
 
 
 def tier_kpis(before: dict | None, after: dict | None) -> dict | None:
-    """Tiered residency over the timed generates: replay % of steps, fetch GB/s, the counters'
-    differences; None with every expert resident."""
+    """Tiered residency over the timed generates: replay % of steps, read-in-place % of steps,
+    fetch GB/s (replays' fetches: promotions of rows read in place are queued copies, untimed),
+    the counters' differences; None with every expert resident."""
     if before is None or after is None:
         return None
     diff = {k: after[k] - before[k] for k in after if k not in ("slots", "coverage")}
@@ -509,6 +510,7 @@ def tier_kpis(before: dict | None, after: dict | None) -> dict | None:
         "slots": after["slots"],
         "coverage": after["coverage"],
         "replay_pct": 100 * diff["replayed_steps"] / steps if steps else None,
+        "host_read_pct": 100 * diff.get("host_read_steps", 0) / steps if steps else None,
         "fetch_gb_s": diff["fetched_bytes"] / diff["fetch_seconds"] / 1e9
         if diff["fetch_seconds"]
         else None,
@@ -798,8 +800,9 @@ TIERED_TARGET = (0.8, 20.0)  # design.md: >= 0.8x all-resident where <= 20% of s
 
 def tiered_table(runs: list, h2d: float | None, md: list) -> list:
     """moet's tiered runs against its all-resident run of the same shape and routing, per batch:
-    coverage, tok/s and the ratio, replay % of steps, fetch GB/s (and its share of a pinned H2D
-    copy); appended to `md`."""
+    coverage, tok/s and the ratio, replay % of steps, read-in-place % of steps, fetch GB/s (and
+    its share of a pinned H2D copy); appended to `md`. design.md's target applies where at most
+    20% of steps missed: replayed, or (reading in place) read experts from host memory."""
     resident = {(j["shape"], j["routing"]): j for j in runs
                 if j["engine"] == "moet" and j["gpu_pool"] == "all" and "results" in j}  # fmt: skip
     rows = []
@@ -812,21 +815,23 @@ def tiered_table(runs: list, h2d: float | None, md: list) -> list:
             b = base and next((x for x in base["results"] if x["batch"] == r["batch"]), None)
             ratio = r["tok_s"] / b["tok_s"] if b else None
             replay = tier.get("replay_pct")
+            missed = None if replay is None else max(replay, tier.get("host_read_pct") or 0.0)
             rows.append({
                 "shape": j["shape"], "routing": j["routing"], "gpu_pool": j["gpu_pool"],
                 "batch": r["batch"], "coverage": tier.get("coverage"), "tok_s": r["tok_s"],
-                "vs_all_resident": ratio, "replay_pct": replay, "fetch_gb_s": tier.get("fetch_gb_s"),
+                "vs_all_resident": ratio, "replay_pct": replay,
+                "host_read_pct": tier.get("host_read_pct"), "fetch_gb_s": tier.get("fetch_gb_s"),
                 "fetch_share_of_h2d": tier["fetch_gb_s"] * 1e9 / h2d
                 if h2d and tier.get("fetch_gb_s") else None,
                 "design_target_met": None
-                if replay is None or replay > TIERED_TARGET[1] or ratio is None
+                if missed is None or missed > TIERED_TARGET[1] or ratio is None
                 else ratio >= TIERED_TARGET[0],
             })  # fmt: skip
     if rows:
         md.append("\n### tiered residency (moet against its all-resident run)\n")
         md.append("| shape | routing | pool (coverage) | batch | tok/s | vs all-resident | "
-                  "replay % of steps | fetch GB/s (of pinned H2D) |")  # fmt: skip
-        md.append("|---" * 8 + "|")
+                  "replay % of steps | read in place % of steps | fetch GB/s (of pinned H2D) |")  # fmt: skip
+        md.append("|---" * 9 + "|")
         for r in sorted(rows, key=lambda r: (r["shape"], r["routing"], -(r["coverage"] or 0),
                                              r["batch"])):  # fmt: skip
             cov = f" ({r['coverage']:.0%})" if r["coverage"] is not None else ""
@@ -835,12 +840,13 @@ def tiered_table(runs: list, h2d: float | None, md: list) -> list:
                 f"| {r['shape']} | {r['routing']} | {r['gpu_pool']}{cov} | {r['batch']} | "
                 f"{r['tok_s']:.1f} | {_fmt(r['vs_all_resident'], '.2f')}"
                 f"{'' if r['vs_all_resident'] is None else 'x'} | "
-                f"{_fmt(r['replay_pct'], '.1f')} | {_fmt(r['fetch_gb_s'], '.1f')}{share} |"
+                f"{_fmt(r['replay_pct'], '.1f')} | {_fmt(r['host_read_pct'], '.1f')} | "
+                f"{_fmt(r['fetch_gb_s'], '.1f')}{share} |"
             )
         judged = [r for r in rows if r["design_target_met"] is not None]
         met = sum(bool(r["design_target_met"]) for r in judged)
         md.append(f"\ndesign.md's >= {TIERED_TARGET[0]}x all-resident where <= "
-                  f"{TIERED_TARGET[1]:.0f}% of steps replay: met in {met} of {len(judged)} "
+                  f"{TIERED_TARGET[1]:.0f}% of steps replay (or read in place): met in {met} of {len(judged)} "
                   "rows it applies to (with an all-resident run to compare)")  # fmt: skip
     return rows
 

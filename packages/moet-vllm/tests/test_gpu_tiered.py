@@ -50,7 +50,11 @@ def engines(fixture_moet, tmp_path_factory) -> dict:
     (`<name>-packs`), so no hot set saved by another run warms a pool up."""
     tmp = tmp_path_factory.mktemp("tiered")
     runs = {"resident": {}, "resident-twin": {}}
-    runs.update({name: {"MOET_GPU_POOL": pool} for name, pool in POOLS.items()})
+    # the replay path (misses fetched, the step run again), and the floor read in place
+    runs.update(
+        {name: {"MOET_GPU_POOL": pool, "MOET_READ_IN_PLACE": "0"} for name, pool in POOLS.items()}
+    )
+    runs["in-place"] = {"MOET_GPU_POOL": str(FLOOR)}  # read_in_place=auto: on here
     runs["below-the-floor"]["MOET_BELOW_FLOOR_OK"] = "1"
     for name, env in runs.items():
         env.update({"MOET_CACHE_DIR": str(tmp / f"{name}-packs"), "MOET_KPI_EVERY": "1"})
@@ -83,6 +87,21 @@ def test_tiered_tokens_and_logprobs_equal_all_resident_bit_for_bit(engines, name
     assert counters["fetched_rows"] > 0, counters
     assert counters["unrestored_steps"] == 0, counters
     print(f"pool {pool}: {counters}")
+
+
+def test_reading_in_place_equals_all_resident_bit_for_bit_without_a_replay(engines):
+    """A pool at the boot floor reading in place (the default on a GPU): the kernels compute
+    what the pool lacks from the pinned host rows, inside the captured graphs; every token and
+    logprob equals the all-resident engine's, no step replayed, steps did read rows in place,
+    and the pool took experts in (promotions between steps)."""
+    tiered, resident = engines["in-place"], engines["resident"]
+    assert f"tiered residency: {FLOOR} expert slots" in tiered["log"], tiered["log"][-3000:]
+    assert tiered["tokens"] == resident["tokens"]
+    assert tiered["logprobs"] == resident["logprobs"]
+    counters = tiered["residency"]
+    assert counters["replays"] == 0 and counters["replayed_steps"] == 0, counters
+    assert counters["host_read_rows"] > 0 and counters["fetched_rows"] > 0, counters
+    print(f"in place, pool {FLOOR}: {counters}")
 
 
 def test_a_corrupt_pack_fails_the_request_instead_of_serving_zeroed_experts(

@@ -318,7 +318,11 @@ def _check_args(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, rou
             )
     if "host" in tiers:
         host = tiers["host"][0]
-        if host.device.type != "cpu" or (x.is_cuda and not host.is_pinned()):
+        # (is_pinned asks the driver; a capture checked at the eager run before it)
+        unpinned = (
+            x.is_cuda and not torch.cuda.is_current_stream_capturing() and not host.is_pinned()
+        )
+        if host.device.type != "cpu" or unpinned:
             raise ValueError(
                 f"host_pool must be host memory{', pinned' if x.is_cuda else ''} (the GPU reads "
                 f"its rows in place), got a tensor on {host.device}"

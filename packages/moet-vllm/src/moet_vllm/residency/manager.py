@@ -53,6 +53,9 @@ from .metrics import Publisher, TuneWatcher
 from .policy import Plan, ResidencyPolicy, key_pairs
 
 log = logging.getLogger("vllm.moet")
+# cudaHostRegisterMapped: kernels may address the registered memory (reading in place; with
+# unified addressing at the same address as the host's)
+HOST_REGISTER_MAPPED = 2
 _active: ResidencyManager | None = None
 
 
@@ -256,15 +259,15 @@ class ResidencyManager:
 
     def _pin_host_tier(self) -> None:
         """Register the store's arena and stage (the memory its fetched views point into) with
-        CUDA, so a fetch is a batch of asynchronous DMA copies; unregistered buffers still work,
-        with synchronous copies."""
+        CUDA, so a fetch is a batch of asynchronous DMA copies and the kernels can read the arena
+        in place; unregistered buffers still work, with synchronous copies."""
         cudart = torch.cuda.cudart()
         for what in ("arena", "stage"):
             addr = getattr(self.store, f"{what}_address", 0)
             size = getattr(self.store, f"{what}_bytes", 0)
             if not addr or not size:
                 continue
-            rc = cudart.cudaHostRegister(addr, size, 0)
+            rc = cudart.cudaHostRegister(addr, size, HOST_REGISTER_MAPPED)
             if int(rc) == 0:
                 self._pinned_host.append(addr)
             else:
@@ -323,11 +326,11 @@ class ResidencyManager:
             return
         t0 = time.perf_counter()
         cuda = self.pool.is_cuda
-        if self.host_pool is not None:  # rows that never move: queued copies, no wait
+        if self.host_pool is not None:  # rows that never move: queued copies, no wait (untimed)
             for (o, e), slot in zip(keys, slots, strict=True):
                 row = self.host_pool[int(self._host_slots[o, e])]
                 self.pool[int(slot)].copy_(row[: self.layout.row_bytes], non_blocking=cuda)
-            self._count_fetch(len(keys), t0)
+            self._count_fetch(len(keys))
             return
         for attempt in range(1, self.fetch_attempts + 1):
             try:
@@ -347,12 +350,12 @@ class ResidencyManager:
                         f"moet: fetching {len(keys)} experts from the pack files failed "
                         f"{attempt} times ({e}); the step's experts cannot be restored"
                     ) from None
-        self._count_fetch(len(keys), t0)
+        self._count_fetch(len(keys))
+        self.counters.fetch_seconds += time.perf_counter() - t0
 
-    def _count_fetch(self, rows: int, t0: float) -> None:
+    def _count_fetch(self, rows: int) -> None:
         self.counters.fetched_rows += rows
         self.counters.fetched_bytes += rows * self.layout.row_bytes
-        self.counters.fetch_seconds += time.perf_counter() - t0
 
     def apply(self, plan, scan: np.ndarray | None = None) -> None:
         """Evict, fetch and publish a policy plan (between forward passes)."""
