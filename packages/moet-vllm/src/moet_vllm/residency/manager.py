@@ -487,17 +487,15 @@ class ResidencyManager:
         self._end_step()
         return out
 
-    def _promote_arrived(self, wait: bool = False) -> None:
-        """If the routed mask on its way back arrived (or `wait`): count what that pass read
-        from host memory, and have the policy bring it into the pool, as after a demand miss
-        (prefill: free and probation slots only); copies queued on the stream, no wait."""
+    def _promote_arrived(self) -> None:
+        """If the routed mask on its way back arrived: count what that pass read from host
+        memory, and have the policy bring it into the pool, as after a demand miss (prefill:
+        free and probation slots only); copies queued on the stream, no wait."""
         if self._arriving is None:
             return
         event, scan = self._arriving
-        if event is not None and not wait and not event.query():
+        if event is not None and not event.query():
             return
-        if event is not None:
-            event.synchronize()
         self._arriving = None
         if int(self._host_miss[0]):  # every row is in the host tier: a miss is a broken table
             raise MoetResidencyError(
