@@ -580,16 +580,16 @@ __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
 // (host_slot_table non-null: rows the GPU reads over the bus, no fetch, no replay); an expert no
 // tier holds is a miss (design.md, Residency). Jobs are grouped by tier in that order: n_jobs =
 // {0, FP4 jobs, + device jobs, + host jobs}, so tier t's GEMMs take jobs [n_jobs[t],
-// n_jobs[t + 1]); job_slot holds the slot (row) in that tier's pool. The job lists are a stable counting sort: counts with shared-memory atomics
-// (their order does not matter), then tiles of 256 pairs placed by rank: a pair's place is the
-// expert's pairs in earlier tiles + in earlier warps of this tile + in lower lanes of its warp
-// (match_any).
+// n_jobs[t + 1]); job_slot holds the slot (row) in that tier's pool. The job lists are a stable
+// counting sort: counts with shared-memory atomics (their order does not matter), then tiles of 256
+// pairs placed by rank: a pair's place is the expert's pairs in earlier tiles + in earlier warps of
+// this tile + in lower lanes of its warp (match_any).
 template <typename T>
 __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
-                      const int* slot_table, const int* fp4_slot_table,
-                      const int* host_slot_table, int n_experts, const int* n_real,
-                      int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int job_shift,
-                      int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {
+                      const int* slot_table, const int* fp4_slot_table, const int* host_slot_table,
+                      int n_experts, const int* n_real, int* miss_count, uint8_t* routed,
+                      int8_t* xq, float* xs, int job_shift, int* n_jobs, int* job_slot,
+                      int* job_pairs, uint8_t* pair_ok) {
   const int job_tok = 1 << job_shift;
   pdl_enter();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -598,8 +598,8 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
     constexpr int TIERS = 3;                 // FP4, device, host
     __shared__ int s_slot[MAX_EXPERTS];      // the chosen tier's slot, -1: not resident
     __shared__ uint8_t s_tier[MAX_EXPERTS];  // the chosen tier
-    __shared__ int s_cnt[MAX_EXPERTS];      // pass 1: pairs per expert; pass 2: pairs placed
-    __shared__ int s_base[MAX_EXPERTS];     // first job of each expert
+    __shared__ int s_cnt[MAX_EXPERTS];       // pass 1: pairs per expert; pass 2: pairs placed
+    __shared__ int s_base[MAX_EXPERTS];      // first job of each expert
     __shared__ uint8_t s_wcnt[WARPS_R][MAX_EXPERTS];  // this tile's pairs per (warp, expert)
     __shared__ int warp_sums[WARPS_R];
     __shared__ int s_total;
@@ -712,12 +712,11 @@ __device__ __forceinline__ float silu(float v) { return __fdiv_rn(v, 1.f + expf(
 }  // namespace
 
 #define MOET_ROUTE(NAME, T)                                                                        \
-  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)                                      \
-      NAME(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,             \
-           const int* slot_table, const int* fp4_slot_table, const int* host_slot_table,           \
-           int n_experts, const int* n_real, int* miss_count, uint8_t* routed, int8_t* xq,         \
-           float* xs, int job_shift, int* n_jobs, int* job_slot, int* job_pairs,                   \
-           uint8_t* pair_ok) {                                                                     \
+  extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) NAME(                                \
+      const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,                  \
+      const int* slot_table, const int* fp4_slot_table, const int* host_slot_table, int n_experts, \
+      const int* n_real, int* miss_count, uint8_t* routed, int8_t* xq, float* xs, int job_shift,   \
+      int* n_jobs, int* job_slot, int* job_pairs, uint8_t* pair_ok) {                              \
     route<T>(x, n_tok, hidden, hidden_p, ids, top_k, slot_table, fp4_slot_table, host_slot_table,  \
              n_experts, n_real, miss_count, routed, xq, xs, job_shift, n_jobs, job_slot,           \
              job_pairs, pair_ok);                                                                  \
