@@ -74,10 +74,8 @@ class Stack:
                     h, ids, w, (t["w13_codes"], t["w13_scales"]), (t["w2_codes"], t["w2_scales"])
                 )
             else:
-                table, routed = mgr.layer_tables(layer, ids)
+                tiers, routed = mgr.layer_tiers(layer, ids)
                 n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else h.shape[0]
-                host = mgr.host_rows(layer)  # reading in place: the host tier after the pool
-                tiers = [(mgr.pool, table, LAYOUT)] + ([(*host, LAYOUT)] if host else [])
                 y = tiered_moe_slots_reference(h, ids, w, tiers, n_real, mgr.miss_count, routed)
             h = h + y
         return h

@@ -107,6 +107,7 @@ USER_FIELDS = (
     "read_in_place",
 )
 INT_FIELDS = {"miss_tolerance": 0, "max_replays": 1, "kpi_every": 0}  # field -> minimum
+AUTO_BOOLS = ("predict", "read_in_place")  # booleans that also take "auto"
 # what a running server takes from `moet tune` (residency/metrics.py's run directory)
 RUNTIME_FIELDS = ("miss_mode", "miss_tolerance", "max_replays", "kpi_every")
 
@@ -176,8 +177,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if not (math.isfinite(gib) and gib >= 0):
             raise bad(('"auto" or ' if name == "host_arena" else "") + "a size in GiB (>= 0)")
         return gib if name == "pool_reserve_gib" else text
-    if name in ("pack_cache", "below_floor_ok", "predict", "read_in_place"):
-        if name in ("predict", "read_in_place") and value == "auto":
+    if name in ("pack_cache", "below_floor_ok", *AUTO_BOOLS):
+        if name in AUTO_BOOLS and value == "auto":
             return value
         if isinstance(value, bool):
             return value
@@ -186,8 +187,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        auto = name in ("predict", "read_in_place")
-        raise bad("a boolean (1/0, true/false)" + (' or "auto"' if auto else ""))
+        raise bad("a boolean (1/0, true/false)" + (' or "auto"' if name in AUTO_BOOLS else ""))
     if name == "cache_dir":
         if value is None or (isinstance(value, str) and value):
             return value

@@ -214,16 +214,15 @@ class MoetMoEMethod(FusedMoEMethodBase):
         weights, ids = route(router_logits, self.routing, layer.e_score_correction_bias)
         mgr = residency.active()
         if mgr is not None:
-            table, routed = mgr.layer_tables(self.model_layer, ids)
-            host = mgr.host_rows(self.model_layer)  # read in place: (host_pool, its table row)
+            tiers, routed = mgr.layer_tiers(self.model_layer, ids)
             if self.compute == "kernel":
+                (pool, table, _), *host = tiers  # reading in place: the host rows' tier
                 return w2_moe_slots(
-                    x, ids, weights, mgr.pool, table, self.hidden, self.inter, mgr.n_real,
+                    x, ids, weights, pool, table, self.hidden, self.inter, mgr.n_real,
                     mgr.miss_count, routed,
-                    **({"host_pool": host[0], "host_slot_table": host[1]} if host else {}),
+                    **({"host_pool": host[0][0], "host_slot_table": host[0][1]} if host else {}),
                 )  # fmt: skip
             n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else x.shape[0]
-            tiers = [(mgr.pool, table, mgr.layout)] + ([(*host, mgr.layout)] if host else [])
             out = tiered_moe_slots_reference(
                 x, ids, weights, tiers, n_real, mgr.miss_count, routed,
                 mode=REFERENCE_MODES[self.compute],

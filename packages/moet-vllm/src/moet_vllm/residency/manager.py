@@ -233,11 +233,16 @@ class ResidencyManager:
             self.counters.staged_rows += len(missing)
         return table, self.routed[o]
 
-    def host_rows(self, model_layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Reading in place: (host_pool, this MoE layer's host_table row) for the op; else None."""
-        if self.host_pool is None:
-            return None
-        return self.host_pool, self.host_table[self.moe_layers.index(model_layer)]
+    def layer_tiers(self, model_layer: int, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """`layer_tables` as the tiers the op reads, by preference: [(pool, slot_table row,
+        layout)], then, reading in place, (host_pool, the layer's host_table row, layout);
+        and the routed row."""
+        table, routed = self.layer_tables(model_layer, ids)
+        tiers = [(self.pool, table, self.layout)]
+        if self.host_pool is not None:
+            o = self.moe_layers.index(model_layer)
+            tiers.append((self.host_pool, self.host_table[o], self.layout))
+        return tiers, routed
 
     def _record(self, i: int, ids: torch.Tensor) -> None:
         """Copy a pass's routing of tiered layer `i` into `route_ids` (a device copy: inside a
@@ -324,7 +329,6 @@ class ResidencyManager:
         are queued together and waited for once, before the store releases the rows."""
         if not keys:
             return
-        t0 = time.perf_counter()
         cuda = self.pool.is_cuda
         if self.host_pool is not None:  # rows that never move: queued copies, no wait (untimed)
             for (o, e), slot in zip(keys, slots, strict=True):
@@ -332,6 +336,7 @@ class ResidencyManager:
                 self.pool[int(slot)].copy_(row[: self.layout.row_bytes], non_blocking=cuda)
             self._count_fetch(len(keys))
             return
+        t0 = time.perf_counter()
         for attempt in range(1, self.fetch_attempts + 1):
             try:
                 with self.store.fetch(keys) as batch:
