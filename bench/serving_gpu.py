@@ -506,11 +506,13 @@ def tier_kpis(before: dict | None, after: dict | None) -> dict | None:
         return None
     diff = {k: after[k] - before[k] for k in after if k not in ("slots", "coverage")}
     steps = diff["steps"]
+    observed = diff.get("observed_steps", steps)
     return {
         "slots": after["slots"],
         "coverage": after["coverage"],
         "replay_pct": 100 * diff["replayed_steps"] / steps if steps else None,
-        "host_read_pct": 100 * diff.get("host_read_steps", 0) / steps if steps else None,
+        # over the steps whose routed mask came back (older runs: over all steps)
+        "host_read_pct": 100 * diff.get("host_read_steps", 0) / observed if observed else None,
         "fetch_gb_s": diff["fetched_bytes"] / diff["fetch_seconds"] / 1e9
         if diff["fetch_seconds"]
         else None,

@@ -29,7 +29,7 @@ export PYTHONPATH="$site${HOME:+:$HOME/site}${PYTHONPATH:+:$PYTHONPATH}"
 python3 bench/provenance.py bash ci/gpu.sh "$@" >"$out/provenance.json"
 t1=$(date +%s)
 # Each test file runs as its own pytest process, with its own log, JUnit file and exit status
-# (files/) and its engines' logs (engines/<file>/), all packed into $out/logs.tar.gz (the device
+# (files/) and its engines' logs and results (engines/<file>/), all packed into $out/logs.tar.gz (the device
 # machine returns at most 8 files); $out/gpu-tests.log has every file's output. They run side by side
 # (their engines take a fixed KV cache, no profiling), then test_gpu_memory.py alone (vLLM's
 # memory profiling measures the whole device). A file past its time budget is interrupted (SIGINT:
@@ -50,7 +50,7 @@ run_file() {  # budget in seconds, test file (or node id)
   echo $? >"$res/files/$name.rc"
   echo "ci/gpu: $name: $(tail -n 1 "$res/files/$name.log") (exit $(cat "$res/files/$name.rc"))"
   mkdir -p "$res/engines/$name"
-  (cd "$work/$name" 2>/dev/null && find . -name '*.log' -size -4M -exec cp --parents {} "$res/engines/$name" \;)
+  (cd "$work/$name" 2>/dev/null && find . \( -name '*.log' -o -name '*.json' \) -size -4M -exec cp --parents {} "$res/engines/$name" \;)
 }
 # budgets: ~30 s of installs + 300 + 240 s stay inside one 600 s device call (stage vLLM in an
 # earlier call). On the H200 (2026-12-01) a file of 5 engines took 242 s side by side with the

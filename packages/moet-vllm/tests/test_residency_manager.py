@@ -138,6 +138,7 @@ def test_reading_in_place_is_bit_identical_without_a_sync_or_replay(tmp_path, n_
     c = mgr.counters
     assert c.steps == 40 and c.replays == c.replayed_steps == c.missing_pairs == 0
     assert c.host_read_steps > 0 and c.host_read_rows > 0 and c.fetched_rows > 0
+    assert c.observed_steps == c.steps - 1  # every pass's routing came back but the last one's
     assert c.streamed_steps == 0  # a step larger than the pool reads the rest in place
     if n_slots == L * E:  # warm: the last steps found every expert in the pool
         assert c.host_read_rows == late_reads

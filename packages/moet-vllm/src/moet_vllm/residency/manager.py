@@ -33,6 +33,7 @@ by copies queued on the stream before its own pass (so every pass reads the rows
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import json
@@ -79,6 +80,23 @@ def active() -> ResidencyManager | None:
     return _active
 
 
+RETURN_RING = 4  # reading in place: passes whose routed masks may be on their way back at once
+
+
+@dataclass
+class _Returning:
+    """Reading in place: one pass's routed mask on its way back to the host."""
+
+    event: torch.cuda.Event | None  # recorded after the pass's copies (None on the CPU)
+    scan: bool  # a prefill pass
+    miss: torch.Tensor  # the ring's pinned buffers the copies land in
+    routed: torch.Tensor
+    resident: np.ndarray  # bool [policy keys]: the pool as the pass read it
+
+    def arrived(self) -> bool:
+        return self.event is None or self.event.query()
+
+
 @dataclass
 class Counters:
     """What the KPI line and the metrics report (totals since boot)."""
@@ -100,6 +118,7 @@ class Counters:
     predicted_rows: int = 0  # rows of those fetches (also in fetched_rows)
     host_read_steps: int = 0  # reading in place: steps that read some expert from host memory
     host_read_rows: int = 0  # the (layer, expert) rows they read
+    observed_steps: int = 0  # reading in place: steps whose routed mask came back (of steps)
     window: dict = field(default_factory=dict)  # the counters at the last KPI line
 
 
@@ -158,11 +177,18 @@ class ResidencyManager:
         self.auto: AutoPool | None = None  # gpu_pool=auto: sized by size_auto_pool()
         if self.device.type == "cuda":
             self._pin_host_tier()
-        # reading in place: the host tier's rows as a pool the op reads, and the step whose
-        # routed mask is on its way back (a CUDA event, or None on the CPU; and its scan flag)
+        # reading in place: the host tier's rows as a pool the op reads, and the passes whose
+        # routed masks are on their way back (oldest first: `_Returning`), in a ring of pinned
+        # buffers deep enough for vLLM's asynchronous scheduling (a pass or two ahead)
         self.host_pool: torch.Tensor | None = None
         self.host_table: torch.Tensor | None = None
-        self._arriving: tuple | None = None
+        self._returning: collections.deque[_Returning] = collections.deque()
+        self._ring = [
+            (torch.zeros(1, dtype=torch.int32, pin_memory=pin),
+             torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, pin_memory=pin))
+            for _ in range(RETURN_RING if read_in_place else 0)
+        ]  # fmt: skip
+        self._ring_next = 0
         if read_in_place:
             self._map_host_rows()
         self._allocate(n_slots)
@@ -474,48 +500,52 @@ class ResidencyManager:
 
     def _run_in_place(self, forward, scan: bool):
         """One pass: what the pool lacks is read from host memory in place (nothing misses).
-        The routed mask of one pass at a time comes back asynchronously (pinned buffers, an
-        event); the first later step that finds it arrived promotes (`_promote_arrived`)."""
+        Each pass's routed mask comes back asynchronously (a ring buffer's pinned copies and an
+        event); the next steps that find masks arrived promote (`_promote_arrived`)."""
         self._promote_arrived()
         self.miss_count.zero_()
         self.routed.zero_()
         out = forward()
-        if self._arriving is None:
+        if len(self._returning) < len(self._ring):
             cuda = self.device.type == "cuda"
-            self._host_miss.copy_(self.miss_count, non_blocking=cuda)
-            self._host_routed.copy_(self.routed, non_blocking=cuda)
+            miss, routed = self._ring[self._ring_next % len(self._ring)]  # FIFO: free now
+            self._ring_next += 1
+            miss.copy_(self.miss_count, non_blocking=cuda)
+            routed.copy_(self.routed, non_blocking=cuda)
             event = None
             if cuda:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
-            self._arriving = (event, scan)
+            # the pool as this pass read it: what it lacked was read in place
+            resident = self.policy.slot_table.ravel() >= 0
+            self._returning.append(_Returning(event, scan, miss, routed, resident))
+        # else the ring is full (the device is that far behind): this pass goes unobserved
         self._end_step()
         return out
 
     def _promote_arrived(self) -> None:
-        """If the routed mask on its way back arrived: count what that pass read from host
-        memory, and have the policy bring it into the pool, as after a demand miss (prefill:
+        """For each pass whose routed mask arrived, oldest first: count what it read from host
+        memory, and have the policy bring that into the pool, as after a demand miss (prefill:
         free and probation slots only); copies queued on the stream, no wait."""
-        if self._arriving is None:
-            return
-        event, scan = self._arriving
-        if event is not None and not event.query():
-            return
-        self._arriving = None
-        if int(self._host_miss[0]):  # every row is in the host tier: a miss is a broken table
-            raise MoetResidencyError(
-                f"moet: {int(self._host_miss[0])} routed experts had neither a pool slot nor a "
-                "host row while reading in place; refusing to serve zeroed experts"
-            )
-        o, e = np.nonzero(self._host_routed.numpy()[self.tiered])
-        keys = o.astype(np.int64) * self.n_experts + e
-        read = keys[self.policy.slot_table.ravel()[keys] < 0]
         c = self.counters
-        c.host_read_steps += len(read) > 0
-        c.host_read_rows += len(read)
-        if not scan:
-            self.policy.observe(keys)
-        self._plan_and_apply(keys, scan)  # what finds no room stays read in place
+        while self._returning and self._returning[0].arrived():
+            r = self._returning.popleft()
+            if int(r.miss[0]):  # every row is in the host tier: a miss is a broken table
+                raise MoetResidencyError(
+                    f"moet: {int(r.miss[0])} routed experts had neither a pool slot nor a host "
+                    "row while reading in place; refusing to serve zeroed experts"
+                )
+            o, e = np.nonzero(r.routed.numpy()[self.tiered])
+            keys = o.astype(np.int64) * self.n_experts + e
+            read = keys[~r.resident[keys]]
+            c.observed_steps += 1
+            c.host_read_steps += len(read) > 0
+            c.host_read_rows += len(read)
+            if not r.scan:
+                self.policy.observe(keys)
+            # (a decode pass that read nothing has nothing to place: no plan, less host time)
+            if len(read) or r.scan:  # what finds no room stays read in place
+                self._plan_and_apply(keys, r.scan)
 
     def _end_step(self) -> None:
         """A step's last bookkeeping: its count, the KPI line and the metrics file."""
@@ -610,9 +640,13 @@ class ResidencyManager:
         predicted = 100.0 * (c.predicted_steps - w.get("predicted_steps", 0)) / max(steps, 1)
         in_place = ""
         if self.host_pool is not None:
-            read = 100.0 * (c.host_read_steps - w.get("host_read_steps", 0)) / max(steps, 1)
-            rows = (c.host_read_rows - w.get("host_read_rows", 0)) / max(steps, 1)
-            in_place = f", read in place {read:.1f}% of steps ({rows:.2f} experts/step)"
+            seen = c.observed_steps - w.get("observed_steps", 0)
+            read = 100.0 * (c.host_read_steps - w.get("host_read_steps", 0)) / max(seen, 1)
+            rows = (c.host_read_rows - w.get("host_read_rows", 0)) / max(seen, 1)
+            in_place = (
+                f", read in place {read:.1f}% of steps ({rows:.2f} experts/step; {seen} steps "
+                "observed)"
+            )
         stats = self.store.stats() if hasattr(self.store, "stats") else {}
         hits, misses = stats.get("hit_rows", 0), stats.get("miss_rows", 0)
         arena = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
@@ -627,6 +661,7 @@ class ResidencyManager:
                 "predicted_steps",
                 "host_read_steps",
                 "host_read_rows",
+                "observed_steps",
             )
         }
         return (

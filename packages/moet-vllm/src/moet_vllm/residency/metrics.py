@@ -51,6 +51,10 @@ COUNTERS = {
         "Steps that read experts missing from the pool in place from host memory",
     ),
     "host_read_rows": ("moet_host_read_experts", "Expert rows read in place from host memory"),
+    "observed_steps": (
+        "moet_host_read_observed_steps",
+        "Steps whose routed experts came back to the host (reading in place counts over them)",
+    ),
 }
 
 
