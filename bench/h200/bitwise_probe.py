@@ -6,7 +6,8 @@ test_gpu_tiered's bit-for-bit tests (one device run, the packages installed as c
 Runs, side by side as the GPU suite does, twins of each kind of engine (all-resident, a replayed
 50% pool, the floor read in place), compiled with CUDA graphs and eager, on the fixture's prompts,
 and writes one JSON: each engine's tokens, logprobs and residency counters, and for every engine
-its first (prompt, position) that differs from the all-resident one, with the logprob gap.
+its first (prompt, position) that differs from the all-resident one, with the logprob gap; and
+every engine's log.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -76,6 +78,9 @@ def main() -> int:
     slim = {n: {k: r[k] for k in ("tokens", "logprobs", "residency")} for n, r in runs.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bitwise_probe.json").write_text(json.dumps({"report": report, "runs": slim}))
+    with tarfile.open(args.out / "engine-logs.tar.gz", "w:gz") as tar:
+        for log in tmp.glob("*.log"):
+            tar.add(log, arcname=log.name)
     return 0
 
 
