@@ -210,7 +210,7 @@ GPU_DRIVER_FLAGS = ("--graphs", "1", "2", "4", "8", *GPU_KV_FLAGS)
 # (timed too), so the driver's --untimed-compile turns them off and runs the norms, the model's
 # reductions, as vLLM's CUDA kernel. Tests compare a twin of the reference engine first: if two
 # identical engines differ, the environment is at fault, not moet.
-BITWISE_ENV = {"TORCHINDUCTOR_DETERMINISTIC": "1"}
+BITWISE_ENV = {"TORCHINDUCTOR_DETERMINISTIC": "1", "VLLM_DISABLE_COMPILE_CACHE": "1"}
 BITWISE_FLAGS = ("--untimed-compile",)
 
 
