@@ -7,7 +7,11 @@ Runs, side by side as the GPU suite does, twins of each kind of engine (all-resi
 50% pool, the floor read in place), compiled with CUDA graphs and eager, on the fixture's prompts,
 and writes one JSON: each engine's tokens, logprobs and residency counters, and for every engine
 its first (prompt, position) that differs from the all-resident one, with the logprob gap; and
-every engine's log.
+every engine's log. --shared-compile-cache lets the engines share vLLM's compile cache as
+they compile side by side: on the H200 (2026-12-03) that parted 3 of the 7 compiled engines, a
+resident twin among them, from the first at the second wave's prefill; with it off
+(tests/serving.py BITWISE_ENV) all 10 agreed bit for bit
+(bench/results/gpu/h200-2026-12-03-bitwise-probe.json).
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ def first_difference(a: dict, b: dict):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shared-compile-cache", action="store_true")
     args = ap.parse_args()
+    base = dict(BITWISE_ENV)
+    if args.shared_compile_cache:
+        del base["VLLM_DISABLE_COMPILE_CACHE"]
     tmp = Path(tempfile.mkdtemp(prefix="moet-probe-"))
     model = convert_fixture(tmp / "fixture-moet")
     kinds = {
@@ -62,7 +70,7 @@ def main() -> int:
         for mode, flags, twins in (("graphs", graphs, 2), ("eager", eager, 1)):
             for t in range(twins + (kind == "resident" and mode == "graphs")):
                 name = f"{kind}-{mode}-{t}"
-                e = {**BITWISE_ENV, **env, "MOET_CACHE_DIR": str(tmp / f"{name}-packs")}
+                e = {**base, **env, "MOET_CACHE_DIR": str(tmp / f"{name}-packs")}
                 engines[name] = {
                     "model": model, "env": e, "dtype": "bfloat16",
                     "prompts": fixture_prompts(8), "extra": flags,
