@@ -47,6 +47,29 @@ def test_plan_is_pure_commit_applies_and_stale_plans_are_refused():
     assert not pol.plan([0, 5]).replay  # resident now: no fetch, no replay
 
 
+def test_promotion_takes_free_slots_then_only_colder_victims_hottest_first():
+    """Reading in place: a read key enters over a colder unpinned key, hottest first, at most
+    `max_rows` of them; a key no hotter than its victim stays read in place."""
+    pol = ResidencyPolicy(3, 1, 16, half_life_steps=math.inf)  # no decay: exact counts
+    pol.observe([0, 0, 0, 1, 1, 2])  # scores 0:3, 1:2, 2:1
+    plan = pol.plan_promotion([0, 1], max_rows=8)
+    assert plan.fetch_keys.tolist() == [0, 1] and plan.evict_keys.size == 0  # free slots
+    pol.commit(plan)
+    pol.observe([5] * 4 + [6] * 2 + [7])  # 5:4, 6:2, 7:1 read in place
+    plan = pol.plan_promotion([5, 6, 7], max_rows=8)
+    # the free slot goes to 5 (hottest); 6 (2) ties key 1 (2), the colder victim: no swap
+    assert plan.fetch_keys.tolist() == [5] and plan.evict_keys.size == 0
+    pol.commit(plan)
+    pol.observe([6] * 3)  # 6: 5 now, hotter than 1 (2) and than 0 (3)
+    plan = pol.plan_promotion([6, 7, 0], max_rows=8)  # 0 is routed: pinned
+    assert plan.fetch_keys.tolist() == [6] and plan.evict_keys.tolist() == [1]
+    assert plan.fetch_slots.tolist() == [int(pol.slot_table.ravel()[1])]
+    assert pol.plan_promotion([6, 7], max_rows=0).fetch_keys.size == 0  # the cap
+    pol.commit(plan)
+    consistent(pol)
+    assert pol.plan_promotion([0, 5, 6], max_rows=8).fetch_keys.size == 0  # all resident
+
+
 def test_decay_constant_is_a_half_life():
     pol = ResidencyPolicy(8, 1, 8, half_life_steps=4)
     pol.observe([3, 3])  # two tokens routed expert 3

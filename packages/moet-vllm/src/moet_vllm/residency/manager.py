@@ -51,7 +51,7 @@ from ..compat import MoetVllmError
 from ..config import coerce_runtime
 from . import sizing
 from .metrics import Publisher, TuneWatcher
-from .policy import Plan, ResidencyPolicy, key_pairs
+from .policy import PROMOTE_ROWS_PER_PASS, Plan, ResidencyPolicy, key_pairs
 
 log = logging.getLogger("vllm.moet")
 # cudaHostRegisterMapped: kernels may address the registered memory (reading in place; with
@@ -525,8 +525,9 @@ class ResidencyManager:
 
     def _promote_arrived(self) -> None:
         """For each pass whose routed mask arrived, oldest first: count what it read from host
-        memory, and have the policy bring that into the pool, as after a demand miss (prefill:
-        free and probation slots only); copies queued on the stream, no wait."""
+        memory, and have the policy promote the hottest of it over colder keys (a decode pass:
+        `plan_promotion`, at most PROMOTE_ROWS_PER_PASS rows; a prefill: free and probation slots,
+        as after a miss); copies queued on the stream, no wait."""
         c = self.counters
         while self._returning and self._returning[0].arrived():
             r = self._returning.popleft()
@@ -541,11 +542,12 @@ class ResidencyManager:
             c.observed_steps += 1
             c.host_read_steps += len(read) > 0
             c.host_read_rows += len(read)
-            if not r.scan:
-                self.policy.observe(keys)
-            # (a decode pass that read nothing has nothing to place: no plan, less host time)
-            if len(read) or r.scan:  # what finds no room stays read in place
-                self._plan_and_apply(keys, r.scan)
+            if r.scan:  # what finds no room stays read in place
+                self._plan_and_apply(keys, True)
+                continue
+            self.policy.observe(keys)
+            if len(read):  # (a pass that read nothing has nothing to place: less host time)
+                self.apply(self.policy.plan_promotion(keys, PROMOTE_ROWS_PER_PASS))
 
     def _end_step(self) -> None:
         """A step's last bookkeeping: its count, the KPI line and the metrics file."""
