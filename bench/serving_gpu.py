@@ -307,7 +307,7 @@ def run(args) -> Path:
         worker_extension_cls="serving_gpu_engine.BenchWorker",
         dtype=args.dtype,
         seed=0,
-        max_model_len=args.prompt_tokens + args.gen_tokens + 16,
+        max_model_len=max(args.prompt_tokens + args.gen_tokens, args.prefill_tokens + 1) + 16,
         max_num_seqs=max(args.batches),
         enable_prefix_caching=False,
         enforce_eager=eager,
@@ -359,9 +359,16 @@ def run(args) -> Path:
                             for x in p["kernels"][:10])  # fmt: skip
             print(f"{args.engine} batch {b}: {p['us_per_step']:.0f} us of kernels per decode "
                   f"step: {top}", flush=True)  # fmt: skip
+    prefill = (
+        measure_prefill(llm, d, args.prefill_tokens, args.repeats) if args.prefill_tokens else None
+    )
+    if prefill:
+        print(f"{args.engine} prefill {prefill['tokens']} tokens: {prefill['tok_s']:.1f} tok/s "
+              f"(runs {prefill['tok_s_runs']})", flush=True)  # fmt: skip
     out = {
         "engine": args.engine,
         "boot_s": round(boot, 1),
+        "prefill": prefill,
         "enforce_eager": eager,
         "capture_sizes_requested": None if eager else capture,
         "capture_sizes": info["capture_sizes"],
@@ -375,6 +382,29 @@ def run(args) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     del llm
     return path
+
+
+def measure_prefill(llm, d, n: int, repeats: int) -> dict:
+    """One prompt of `n` tokens (the token program's, each routed as designed), one generated
+    token: tok/s = n / wall, median of `repeats` after a warm-up (prefix caching is off)."""
+    from vllm import SamplingParams
+
+    flat = d.tokens.ravel()
+    if n > flat.size:
+        raise SystemExit(f"--prefill-tokens {n}: the token program has {flat.size} tokens")
+    prompt = [{"prompt_token_ids": flat[:n].tolist()}]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompt, sp, use_tqdm=False)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompt, sp, use_tqdm=False)
+        rates.append(n / (time.perf_counter() - t0))
+    return {
+        "tokens": n,
+        "tok_s": statistics.median(rates),
+        "tok_s_runs": [round(x, 1) for x in rates],
+    }
 
 
 def _fmt(x, spec=".4f") -> str:
@@ -617,6 +647,7 @@ def compare(args) -> int:
     common = ["--shape", args.shape, "--out", args.out, "--routing", args.routing,
               "--prompt-tokens", str(args.prompt_tokens),
               "--gen-tokens", str(args.gen_tokens), "--repeats", str(args.repeats),
+              "--prefill-tokens", str(args.prefill_tokens),
               "--seed", str(args.seed), "--dtype", args.dtype,
               "--batches", *map(str, args.batches)]  # fmt: skip
     if args.capture_sizes:
@@ -785,6 +816,12 @@ def summarize(args) -> Path:
         for t in targets:
             md.append(f"\ntarget batch {t['batch']}: moet >= {t['target']}x {t['vs']}: "
                       f"{'met' if t['met'] else 'NOT met'} ({t['ratio']})")  # fmt: skip
+        for j in ran:
+            pf = j.get("prefill")
+            md.append(
+                f"\n{j['engine']}: boot {j['boot_s']} s"
+                + (f"; prefill of {pf['tokens']} tokens {pf['tok_s']:.1f} tok/s" if pf else "")
+            )
         bad = [r["batch"] for r in rows if not r["d_equal_within_5pct"]]
         md.append(f"\nD equal within 5% across engines: {'yes' if not bad else f'NO at {bad}'}; "
                   f"moet slow-tile fraction: {slow.get('moet')}")  # fmt: skip
@@ -867,6 +904,8 @@ def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=defaults["prompt_tokens"])
     ap.add_argument("--gen-tokens", type=int, default=defaults["gen_tokens"])
     ap.add_argument("--repeats", type=int, default=3, help="timed generates per batch (median)")
+    ap.add_argument("--prefill-tokens", type=int, default=0,
+                    help="also time the prefill of one prompt of N tokens (0: not)")  # fmt: skip
     ap.add_argument("--capture-sizes", type=int, nargs="+", default=None,
                     help="CUDA graph sizes, the same for every engine (default: 1 2 4 8 16 24 "
                     "32 and the batches)")  # fmt: skip

@@ -18,7 +18,7 @@
 #     two minutes a pool, and the device returns at most 8 files: 5 + one per pool):
 #     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool all,100%,90%
 #     the model that does not fit any other way, and its int4 baseline (cut when it does not boot):
-#     bash bench/serving_gpu.sh moet -- --shape qwen3-235b-a22b
+#     bash bench/serving_gpu.sh moet -- --shape qwen3-235b-a22b --prefill-tokens 2048
 #     bash bench/serving_gpu.sh stock-int4 -- --shape qwen3-235b-a22b --layers 60
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
