@@ -192,6 +192,7 @@ def design_spec(args, geo: dict) -> dict:
     from serving_gpu_engine import calibrate, n_blocks
 
     nb = n_blocks(geo["hidden"], geo["n_experts"], geo["moe_layers"])
+    seq_len = args.prompt_tokens + args.gen_tokens
     alpha = calibrate(args.routing, nb, geo["n_experts"], geo["top_k"], geo["hidden"],
                       geo["inter"], args.seed)  # fmt: skip
     return {
@@ -200,8 +201,9 @@ def design_spec(args, geo: dict) -> dict:
         "top_k": geo["top_k"],
         "hidden": geo["hidden"],
         "inter": geo["inter"],
-        "n_seq": 2 * sum(args.batches),  # per batch: warm-up sequences, then timed ones
-        "seq_len": args.prompt_tokens + args.gen_tokens,
+        # per batch: warm-up sequences, then timed ones; and enough for the --prefill-tokens prompt
+        "n_seq": max(2 * sum(args.batches), -(-args.prefill_tokens // seq_len)),
+        "seq_len": seq_len,
         "seed": args.seed,
         "profile": args.routing,
         "alpha": alpha,
