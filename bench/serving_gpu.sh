@@ -17,9 +17,10 @@
 #     tiered (one engine per pool, against moet's all-resident run of the same routing; about
 #     two minutes a pool, and the device returns at most 8 files: 5 + one per pool):
 #     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool all,100%,90%
-#     the model that does not fit any other way, and its int4 baseline (cut when it does not boot):
+#     the model that does not fit any other way, and its int4 baseline (at full depth it needs
+#     0.97 of the GPU; `--layers N` cuts a model that does not boot):
 #     bash bench/serving_gpu.sh moet -- --shape qwen3-235b-a22b --prefill-tokens 2048
-#     bash bench/serving_gpu.sh stock-int4 -- --shape qwen3-235b-a22b --layers 60
+#     bash bench/serving_gpu.sh stock-int4 -- --shape qwen3-235b-a22b --gpu-memory-utilization 0.97
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
