@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moet_kernels.reference import w2_dequant
+from moet_kernels.reference import fp4_dequant, w2_dequant
 from moet_quant.checkpoint import dense_projections
 from moet_vllm.config import resolve
 from moet_vllm.experts import ExpertSource
@@ -80,11 +80,13 @@ def split_prompt(n_tokens: int = 1000) -> tuple[str, list[int]]:
     raise AssertionError(f"fewer than {n_tokens} test-split tokens in {root}")
 
 
-def convert_fixture(out: Path) -> Path:
-    """The fixture as a moet checkpoint (`moet convert`: W2 reference experts) written to `out`."""
+def convert_fixture(out: Path, fp4_tier: str = "none") -> Path:
+    """The fixture as a moet checkpoint (`moet convert`: W2 reference experts, and the FP4 tier's
+    data with `fp4_tier`) written to `out`."""
     from moet_quant import convert
 
-    return convert.convert(FIXTURE, out, progress=False).out
+    opts = convert.ConvertOptions(fp4_tier=fp4_tier)
+    return convert.convert(FIXTURE, out, opts, progress=False).out
 
 
 def run_vllm(
@@ -148,9 +150,11 @@ def hf_reference_tokens(
     experts_dir: Path,
     dense_dir: Path | None = None,
     prompts: list[list[int]] | None = None,
+    tier: str = "w2",
 ) -> list[list[int]]:
     """transformers (float32) running `model_dir` (an unquantized checkpoint) with every routed
-    expert replaced by the W2 dequantization of `experts_dir`'s experts and, with `dense_dir`,
+    expert replaced by the W2 dequantization of `experts_dir`'s experts (`tier="fp4r"`: by its
+    FP4 tier's rows, `ExpertSource.fp4_layer`) and, with `dense_dir`,
     every quantized dense projection of `dense_dir` by its exact dequantization; greedy tokens of
     `prompts` (default: the driver's PROMPTS)."""
     from transformers import AutoModelForCausalLM
@@ -168,10 +172,12 @@ def hf_reference_tokens(
         for layer in src.moe_layers:
             if layer >= len(m.model.layers):  # an MTP layer: transformers has none
                 continue
-            s = {k: torch.from_numpy(v) for k, v in src.layer(layer).items()}
+            rows = src.fp4_layer(layer) if tier == "fp4r" else src.layer(layer)
+            s = {k: torch.from_numpy(v) for k, v in rows.items()}
+            dequant = fp4_dequant if tier == "fp4r" else w2_dequant
             experts = m.model.layers[layer].mlp.experts
-            experts.gate_up_proj.copy_(w2_dequant(s["w13_codes"], s["w13_scales"]))
-            experts.down_proj.copy_(w2_dequant(s["w2_codes"], s["w2_scales"]))
+            experts.gate_up_proj.copy_(dequant(s["w13_codes"], s["w13_scales"]))
+            experts.down_proj.copy_(dequant(s["w2_codes"], s["w2_scales"]))
     src.close()
     out = []
     for p in prompts:

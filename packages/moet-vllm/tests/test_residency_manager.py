@@ -76,7 +76,9 @@ class Stack:
             else:
                 tiers, routed = mgr.layer_tiers(layer, ids)
                 n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else h.shape[0]
-                y = tiered_moe_slots_reference(h, ids, w, tiers, n_real, mgr.miss_count, routed)
+                y = tiered_moe_slots_reference(
+                    h, ids, w, tiers.ordered, n_real, mgr.miss_count, routed
+                )
             h = h + y
         return h
 

@@ -47,6 +47,10 @@ class MoetConfig:
     zero_mode: str = "auto"
     mode: str = "reference"
     fp4_tier: str = "none"
+    # -- the FP4 tier (fp4_tier != "none"; docs/vllm.md, "The FP4 tier") --
+    # device slots of FP4 expert rows beside the W2 pool, filled by heat: N slots, or "P%" of the
+    # (MoE layer, expert) pairs (at most 25% by default: docs/quality.md's curve)
+    fp4_pool: str = "25%"
     # -- how they are computed and cached --
     compute: str = "auto"  # auto: moet-kernels where they run, else the torch reference
     dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load
@@ -75,6 +79,12 @@ class MoetConfig:
     source_quantization_config: Mapping[str, Any] | None = field(default=None, compare=False)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)  # field -> origin
 
+    @property
+    def serves_fp4(self) -> bool:
+        """An FP4 tier is served: fp4r rows (a checkpoint's fp4x data is not served yet, and
+        boots without the tier) in a pool of at least one slot."""
+        return self.fp4_tier == "fp4r" and self.fp4_pool not in ("0",)
+
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "format": (w2.FORMAT,),
@@ -90,6 +100,7 @@ USER_FIELDS = (
     "zero_mode",
     "mode",
     "fp4_tier",
+    "fp4_pool",
     "compute",
     "dense",
     "pack_cache",
@@ -126,6 +137,7 @@ def coerce_runtime(values: Mapping[str, Any], origin: str) -> dict:
     return out
 
 
+CHECKPOINT_ORIGIN = "checkpoint quantization_config"
 CHECKPOINT_FIELDS = USER_FIELDS + (
     "format",
     "modules_not_converted",
@@ -166,6 +178,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         raise bad(
             '"all", "auto", a number of expert slots (> 0), or a percentage of the experts ("25%")'
         )
+    if name == "fp4_pool":
+        text = str(value).strip()
+        if (text.endswith("%") and _is_percent(text[:-1])) or (text.isascii() and text.isdigit()):
+            return text
+        raise bad('a number of FP4 expert slots (>= 0), or a percentage of the experts ("25%")')
     if name in ("pool_reserve_gib", "host_arena"):
         text = str(value).strip()
         if name == "host_arena" and text == "auto":
@@ -260,7 +277,7 @@ def resolve(
             checkpoint_qc,
             CHECKPOINT_FIELDS,
             CHECKPOINT_ONLY_KEYS,
-            "checkpoint quantization_config",
+            CHECKPOINT_ORIGIN,
         )
     moet_extra = (additional_config or {}).get("moet")
     if moet_extra is not None:
@@ -309,6 +326,18 @@ def _check_combinations(cfg: MoetConfig) -> None:
             "replays, which only miss_mode='approximate' allows (strict never serves zeroed "
             "experts); set miss_mode='approximate' too, or miss_tolerance=0"
         )
+    if cfg.fp4_tier == "fp4x" and where("fp4_tier") != CHECKPOINT_ORIGIN:
+        raise MoetConfigError(
+            f"{where('fp4_tier', 'config')}: fp4_tier='fp4x' (the checkpoint's own NVFP4/MXFP4 "
+            "data) is written by `moet convert` but not served yet; serve with fp4_tier='fp4r' "
+            "(re-quantized FP4) or 'none'"
+        )
+    if cfg.serves_fp4 and not cfg.pack_cache:
+        raise MoetConfigError(
+            f"{where('fp4_tier', 'config')}: fp4_tier={cfg.fp4_tier!r} serves FP4 rows from the "
+            "pack files of the persistent cache, but pack_cache is off "
+            f"({where('pack_cache', 'config')}); turn pack_cache on or use fp4_tier='none'"
+        )
     if cfg.gpu_pool != "all" and not cfg.pack_cache:
         raise MoetConfigError(
             f"{where('gpu_pool', 'config')}: gpu_pool={cfg.gpu_pool!r} serves experts from the "
@@ -330,6 +359,15 @@ def pool_slots(cfg: MoetConfig, n_keys: int) -> int | None:
     else:
         n = int(cfg.gpu_pool)
     return None if n >= n_keys else max(n, 1)
+
+
+def fp4_pool_slots(cfg: MoetConfig, n_keys: int) -> int:
+    """The FP4 pool's size in slots for `n_keys` (MoE layer, expert) pairs (0: no FP4 tier)."""
+    if not cfg.serves_fp4:
+        return 0
+    if cfg.fp4_pool.endswith("%"):
+        return min(n_keys, int(n_keys * float(cfg.fp4_pool[:-1]) / 100))
+    return min(n_keys, int(cfg.fp4_pool))
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -6,8 +6,10 @@ layouts, NVFP4, MXFP4, INT4). `layer(model_layer)` returns the four sections of
 `moet_kernels.layout.RowLayout` for every expert, sharded for tensor parallelism along the expert
 intermediate dimension: w13 (gate over up) takes rows, w2 (down) takes columns of K. Peak memory is
 one layer of this rank's W2 data plus one source projection. `fp4_layer(model_layer)` gives the
-FP4 tier's rows (`fp4r`: e2m1 nibbles on the W2 reference block scales) the same way; only an
-official checkpoint has them (a moet checkpoint holds W2 alone).
+FP4 tier's rows (`fp4r`: e2m1 nibbles on the W2 reference block scales) the same way: an
+official checkpoint re-quantizes them; a moet checkpoint converted with `--fp4-tier fp4r` stores
+the refinement plane (2.5 bits a weight beside the W2 codes, against 4 for the nibbles), from
+which they are rebuilt exactly.
 
 A checkpoint whose `quantization_config` names an `expert_source` (`{"name": ..., ...}`) gets
 the source registered under that name in the process (`register_source`): experts that exist in
@@ -128,11 +130,12 @@ class ExpertSource(ABC):
             cls = OfficialSource
         return cls(path, cfg, tp_rank, tp_size)
 
-    def row_layout(self, native: bool) -> RowLayout | NativeRowLayout:
-        """This rank's expert rows: the kernels' native layout (`native`, what GPU slots hold),
-        or the logical one (the torch reference's)."""
+    def row_layout(self, native: bool, tier: str = "w2") -> RowLayout | NativeRowLayout:
+        """This rank's expert rows of `tier` (`w2`, or the FP4 tier's `fp4r`): the kernels'
+        native layout (`native`, what GPU slots hold), or the logical one (the torch
+        reference's)."""
         cls = NativeRowLayout if native else RowLayout
-        return cls(self.hidden, self.inter // self.tp_size)
+        return cls(self.hidden, self.inter // self.tp_size, tier)
 
     @abstractmethod
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:
@@ -214,6 +217,7 @@ class MoetCheckpointSource(ExpertSource):
         self.st = ShardedSafetensors(path)
         self.ckpt_id = ckpt_id(checkpoint_identity(path))
         self.source_format = "moet"
+        self.qc_fp4_tier = (read_config(path).get("quantization_config") or {}).get("fp4_tier")
         self._names: dict[int, dict[tuple[int, str], str]] = {}
         for name in self.st.names():
             key, suffix, info = classify(name)  # the expert naming of moet-quant's readers
@@ -231,6 +235,26 @@ class MoetCheckpointSource(ExpertSource):
         self.inter, self.hidden = gate[0], gate[1] * 4
 
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        return self._sections(model_layer, lambda base, codes: codes)
+
+    def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        if self.qc_fp4_tier != "fp4r":
+            raise MoetVllmError(
+                f"{self.path}: fp4_tier='fp4r' serves the refinement planes of a moet checkpoint "
+                "converted with `moet convert --fp4-tier fp4r`, and this one was converted "
+                f"without (its fp4_tier is {self.qc_fp4_tier!r}): reconvert it with --fp4-tier "
+                "fp4r, serve the official checkpoint with --quantization moet, or fp4_tier='none'"
+            )
+
+        def nibbles(base: str, codes: np.ndarray) -> np.ndarray:  # 2 a byte, as fp4r rows hold
+            refine = self.st.array(base + ".fp4_refine")
+            return fp4.pack_nibbles(fp4.nibbles_from_refinement(codes, refine))
+
+        return self._sections(model_layer, nibbles)
+
+    def _sections(self, model_layer: int, codes_of) -> dict[str, np.ndarray]:
+        """The layer's sections with each projection's codes as `codes_of(base name, W2
+        codes)` gives them (on the W2 scales)."""
         names = self._names.get(model_layer)
         if names is None:
             raise MoetVllmError(
@@ -264,8 +288,9 @@ class MoetCheckpointSource(ExpertSource):
                         f"{[n, k // 4]} / {[n, k // 32]}"
                     )
                 q[proj] = shard_w2(
-                    w2.W2Tensor(codes, scales), proj, self.tp_rank, self.tp_size, base
-                )
+                    w2.W2Tensor(codes_of(base, codes), scales), proj, self.tp_rank, self.tp_size,
+                    base,
+                )  # fmt: skip
             per_expert.append(q)
         return stack_sections(per_expert)
 

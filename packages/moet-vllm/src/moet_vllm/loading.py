@@ -5,7 +5,9 @@ one re-quantized exactly) and the persistent pack cache (`packcache.ExpertPackCa
 each MoE layer its experts as rows in the layout its compute path reads (`row_layout`): the
 kernels' native layout on a GPU with moet-kernels, the logical layout for the torch reference.
 Rows of the native layout are packed on the layer's device (`pack_native`), which is what makes
-a moet checkpoint's logical tensors servable by the kernels at load.
+a moet checkpoint's logical tensors servable by the kernels at load. With an FP4 tier
+(`MoetConfig.serves_fp4`) each layer's `fp4r` rows reach a pack of their own beside the W2 one
+(`fp4_cache`), which the FP4 pool reads (residency/fp4pool.py).
 """
 
 from __future__ import annotations
@@ -47,15 +49,16 @@ class MoetLoadSession:
         self.cfg, self.native, self.device = cfg, native, device
         self.source = ExpertSource.open(model_path, cfg, tp_rank, tp_size)
         self.layout = self.source.row_layout(native)
-        self.cache = ExpertPackCache(
-            cfg,
-            self.source.ckpt_id,
-            self.layout,
-            n_layers=len(self.source.moe_layers),
-            n_experts=self.source.n_experts,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
+
+        def cache(layout) -> ExpertPackCache:
+            return ExpertPackCache(
+                cfg, self.source.ckpt_id, layout, n_layers=len(self.source.moe_layers),
+                n_experts=self.source.n_experts, tp_rank=tp_rank, tp_size=tp_size,
+            )  # fmt: skip
+
+        self.cache = cache(self.layout)
+        self.fp4_layout = self.source.row_layout(native, "fp4r") if cfg.serves_fp4 else None
+        self.fp4_cache = cache(self.fp4_layout) if self.fp4_layout is not None else None
         self.pending = set(self.source.moe_layers)
         self.from_pack = self.quantized = 0
         self.seconds = self.pack_seconds = 0.0
@@ -82,6 +85,7 @@ class MoetLoadSession:
             cached = rows is not None
         else:  # tiered: a cached layer stays in the packs, unread
             rows, cached = None, ordinal in self.cache.cached_layers()
+            self._fp4_rows(model_layer, ordinal)
         if cached:
             self.from_pack += 1
         else:
@@ -115,11 +119,26 @@ class MoetLoadSession:
             rows = torch.from_numpy(rows).to(self.device)
         return rows
 
-    def _pack(self, secs: dict) -> np.ndarray | torch.Tensor:
+    def _fp4_rows(self, model_layer: int, ordinal: int) -> None:
+        """With an FP4 tier: the layer's fp4r rows into their pack, unless it has them."""
+        fc = self.fp4_cache
+        if fc is None or ordinal in fc.cached_layers():
+            return
+        rows = self._pack(self.source.fp4_layer(model_layer), self.fp4_layout)
+        fc.write_rows(ordinal, rows if isinstance(rows, np.ndarray) else rows.cpu().numpy())
+        if not fc.enabled:
+            raise MoetResidencyError(
+                f"moet: the FP4 tier (fp4_tier={self.cfg.fp4_tier!r}) serves its rows from the "
+                f"pack files, but its pack cannot be written ({fc.reason}); give the cache a "
+                "writable cache_dir with room for them, or fp4_tier='none'"
+            )
+
+    def _pack(self, secs: dict, layout=None) -> np.ndarray | torch.Tensor:
+        layout = self.layout if layout is None else layout
         if not self.native:
-            return self.layout.pack(**secs)
+            return layout.pack(**secs)
         t0 = time.perf_counter()
-        rows = pack_native(self.layout, secs, self.device)
+        rows = pack_native(layout, secs, self.device)
         if rows.is_cuda:
             torch.cuda.synchronize(rows.device)
         self.pack_seconds += time.perf_counter() - t0
@@ -135,4 +154,6 @@ class MoetLoadSession:
 
     def close(self) -> None:
         self.cache.close()
+        if self.fp4_cache is not None:
+            self.fp4_cache.close()
         self.source.close()

@@ -214,17 +214,21 @@ class MoetMoEMethod(FusedMoEMethodBase):
         weights, ids = route(router_logits, self.routing, layer.e_score_correction_bias)
         mgr = residency.active()
         if mgr is not None:
-            tiers, routed = mgr.layer_tiers(self.model_layer, ids)
+            t, routed = mgr.layer_tiers(self.model_layer, ids)
             if self.compute == "kernel":
-                (pool, table, _), *host = tiers  # reading in place: the host rows' tier
+                extra = {}
+                if t.fp4 is not None:
+                    extra.update(fp4_pool=t.fp4[0], fp4_slot_table=t.fp4[1], fp4_tier="fp4r")
+                if t.host is not None:  # reading in place
+                    extra.update(host_pool=t.host[0], host_slot_table=t.host[1])
+                pool, table, _ = t.device
                 return w2_moe_slots(
                     x, ids, weights, pool, table, self.hidden, self.inter, mgr.n_real,
-                    mgr.miss_count, routed,
-                    **({"host_pool": host[0][0], "host_slot_table": host[0][1]} if host else {}),
+                    mgr.miss_count, routed, **extra,
                 )  # fmt: skip
             n_real = mgr.n_real_tokens if mgr.n_real_tokens is not None else x.shape[0]
             out = tiered_moe_slots_reference(
-                x, ids, weights, tiers, n_real, mgr.miss_count, routed,
+                x, ids, weights, t.ordered, n_real, mgr.miss_count, routed,
                 mode=REFERENCE_MODES[self.compute],
             )  # fmt: skip
             return out.to(x.dtype)
@@ -383,9 +387,18 @@ class MoetQuantConfig(QuantizationConfig):
                 "moet: routed experts as %s from %s; %s",
                 self._cfg.format,
                 origin,
-                f"tiered residency (gpu_pool={cfg.gpu_pool!r}, host tier {cfg.host_tier})"
-                if self.tiered
-                else "all experts resident",
+                (
+                    f"tiered residency (gpu_pool={cfg.gpu_pool!r}, host tier {cfg.host_tier})"
+                    if self.tiered
+                    else "all experts resident"
+                )
+                + (
+                    f"; FP4 tier {cfg.fp4_tier} (fp4_pool={cfg.fp4_pool!r})"
+                    if cfg.serves_fp4
+                    else "; the checkpoint's fp4x rows are not served yet (W2 only)"
+                    if cfg.fp4_tier == "fp4x"
+                    else ""
+                ),
             )
         return self._cfg
 
@@ -476,8 +489,11 @@ class MoetQuantConfig(QuantizationConfig):
 
     @property
     def tiered(self) -> bool:
-        """Tiered residency: experts live in a pool of slots, fetched from the packs on demand."""
-        return self._cfg is not None and self._cfg.gpu_pool != "all"
+        """Tiered residency: experts live in a pool of slots, fetched from the packs on demand;
+        also with every W2 expert resident when an FP4 tier is served (its pool needs the
+        manager)."""
+        cfg = self._cfg
+        return cfg is not None and (cfg.gpu_pool != "all" or cfg.serves_fp4)
 
     def start_residency(self, session: MoetLoadSession, layer, device: torch.device) -> None:
         """After the last MoE layer reached the packs: the pool, its host tier, the manager."""

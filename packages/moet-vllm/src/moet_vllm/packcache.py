@@ -1,4 +1,5 @@
-"""The persistent quantization cache: a model's W2 expert rows in moet-store packs.
+"""The persistent quantization cache: a model's expert rows in moet-store packs, one pack per
+tier (`w2`, and `fp4r` for the FP4 tier).
 
 The first boot quantizes experts and writes each MoE layer's rows (one row per expert of this
 rank, in the layout its compute path reads: `moet_kernels.layout.NativeRowLayout` for the GPU
@@ -25,7 +26,6 @@ from .config import MoetConfig
 from .residency.sizing import arena_bytes
 
 log = logging.getLogger(__name__)
-TAG = "w2"
 
 
 def abi_string(cfg: MoetConfig, layout: RowLayout | NativeRowLayout) -> str:
@@ -46,7 +46,7 @@ class ExpertPackCache:
         tp_size: int = 1,
         pp_rank: int = 0,
     ):
-        self.layout = layout
+        self.layout = layout  # its tier's tag names the pack (design.md, Pack files)
         self.directory = Path(cfg.cache_dir) if cfg.cache_dir else moet_store.default_cache_dir()
         identity = {
             "ckpt_id": ckpt_id,
@@ -56,7 +56,7 @@ class ExpertPackCache:
             "tp_size": tp_size,
         }
         self.spec = moet_store.PackSpec(
-            TAG, tp_rank, pp_rank, n_layers, n_experts, layout.row_bytes, identity
+            layout.tier.tag, tp_rank, pp_rank, n_layers, n_experts, layout.row_bytes, identity
         )
         self.reason = "enabled"
         if not cfg.pack_cache:

@@ -4,11 +4,13 @@ hooks that size a `gpu_pool=auto` pool before any CUDA graph is captured."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import compat
-from ..config import MoetConfig, pool_slots
+from ..config import MoetConfig, fp4_pool_slots, pool_slots
 from . import manager as residency
+from .fp4pool import Fp4Pool
 from .manager import AutoPool, MoetResidencyError, ResidencyManager
 from .sizing import GIB, boot_floor
 
@@ -44,6 +46,14 @@ def start_residency(
                 "below_floor_ok=true"
             )
     store = session.cache.open_store(cfg.host_tier, cfg.host_arena)
+    fp4 = None
+    if session.fp4_cache is not None:  # the FP4 tier: its pool and its own pack
+        n_moe_all = len(src.moe_layers)
+        tiered = [o for o in range(n_moe_all) if src.moe_layers[o] not in mtp]
+        fp4 = Fp4Pool(
+            session.fp4_layout, session.fp4_cache.open_store(cfg.host_tier, cfg.host_arena),
+            n_moe_all, tiered, src.n_experts, fp4_pool_slots(cfg, n_tiered_keys), device,
+        )  # fmt: skip
     mgr = ResidencyManager(
         session.layout,
         src.moe_layers,
@@ -60,7 +70,10 @@ def start_residency(
         rank=tp_rank,
         device=device,
         read_in_place=read_in_place,
+        fp4=fp4,
     )
+    if cfg.gpu_pool == "all":  # every W2 expert resident (a manager for the FP4 tier): filled now
+        mgr.preload(np.arange(n_tiered_keys))
     if cfg.gpu_pool == "auto":
         mgr.auto = AutoPool(int(cfg.pool_reserve_gib * GIB), floor, cfg.below_floor_ok)
         if device.type == "cuda":

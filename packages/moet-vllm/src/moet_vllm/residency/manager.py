@@ -29,6 +29,10 @@ memory, so the route op computes an expert the pool lacks from its host row (`ho
 asynchronous scheduling keeps its overlap). The pass's routed mask comes back asynchronously;
 the first later step that finds it arrived has the policy promote those experts into the pool,
 by copies queued on the stream before its own pass (so every pass reads the rows it was meant to).
+
+The FP4 tier (`fp4`, a `fp4pool.Fp4Pool`, with `fp4_tier`): the op prefers an expert's FP4 slot
+over its W2 slot; after each decode step (its final pass, or its routed mask arriving when reading
+in place) the FP4 pool learns the step's routing and promotes by heat. A prefill never changes it.
 """
 
 from __future__ import annotations
@@ -78,6 +82,21 @@ class AutoPool:
 def active() -> ResidencyManager | None:
     """The manager of this worker process, once the model is loaded with a partial pool."""
     return _active
+
+
+@dataclass(frozen=True)
+class LayerTiers:
+    """What one MoE layer's op reads, each (pool, slot-table row, layout) or None, by preference:
+    FP4 slot > device slot > host row (design.md, Residency)."""
+
+    fp4: tuple | None
+    device: tuple
+    host: tuple | None
+
+    @property
+    def ordered(self) -> list[tuple]:
+        """The tiers present, by preference (the torch reference's `tiers`)."""
+        return [t for t in (self.fp4, self.device, self.host) if t is not None]
 
 
 RETURN_RING = 4  # reading in place: passes whose routed masks may be on their way back at once
@@ -143,8 +162,10 @@ class ResidencyManager:
         rank: int = 0,
         device: str | torch.device = "cpu",
         read_in_place: bool = False,
+        fp4=None,
     ):
         self.layout, self.n_experts, self.store = layout, n_experts, store
+        self.fp4 = fp4  # the FP4 tier's pool (fp4pool.Fp4Pool), or None
         self.moe_layers = list(moe_layers)  # model layer index of each MoE-layer ordinal
         self.pinned = [self.moe_layers.index(m) for m in pinned_layers]
         self.tiered = [o for o in range(len(self.moe_layers)) if o not in self.pinned]
@@ -259,16 +280,17 @@ class ResidencyManager:
             self.counters.staged_rows += len(missing)
         return table, self.routed[o]
 
-    def layer_tiers(self, model_layer: int, ids: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """`layer_tables` as the tiers the op reads, by preference: [(pool, slot_table row,
-        layout)], then, reading in place, (host_pool, the layer's host_table row, layout);
-        and the routed row."""
+    def layer_tiers(self, model_layer: int, ids: torch.Tensor) -> tuple[LayerTiers, torch.Tensor]:
+        """`layer_tables` as the tiers the op reads, each (pool, slot_table row, layout): the FP4
+        tier's, the device pool's, and (reading in place) the host rows'; and the routed row."""
         table, routed = self.layer_tables(model_layer, ids)
-        tiers = [(self.pool, table, self.layout)]
-        if self.host_pool is not None:
-            o = self.moe_layers.index(model_layer)
-            tiers.append((self.host_pool, self.host_table[o], self.layout))
-        return tiers, routed
+        o = self.moe_layers.index(model_layer)
+        return LayerTiers(
+            self.fp4.layer(o) if self.fp4 is not None else None,
+            (self.pool, table, self.layout),
+            (self.host_pool, self.host_table[o], self.layout) if self.host_pool is not None
+            else None,
+        ), routed  # fmt: skip
 
     def _record(self, i: int, ids: torch.Tensor) -> None:
         """Copy a pass's routing of tiered layer `i` into `route_ids` (a device copy: inside a
@@ -363,26 +385,13 @@ class ResidencyManager:
             self._count_fetch(len(keys))
             return
         t0 = time.perf_counter()
-        for attempt in range(1, self.fetch_attempts + 1):
-            try:
-                with self.store.fetch(keys) as batch:
-                    for view, slot in zip(batch.views, slots, strict=True):
-                        with warnings.catch_warnings():  # a read-only view, copied at once
-                            warnings.simplefilter("ignore", UserWarning)
-                            row = torch.frombuffer(view, dtype=torch.uint8)
-                        self.pool[int(slot)].copy_(row[: self.layout.row_bytes], non_blocking=cuda)
-                    if cuda:
-                        torch.cuda.current_stream(self.pool.device).synchronize()
-                break
-            except OSError as e:
-                self.counters.fetch_retries += 1
-                if attempt == self.fetch_attempts:
-                    raise MoetResidencyError(
-                        f"moet: fetching {len(keys)} experts from the pack files failed "
-                        f"{attempt} times ({e}); the step's experts cannot be restored"
-                    ) from None
+        fetch_rows(self.store, self.pool, self.layout.row_bytes, keys, slots, self.fetch_attempts,
+                   failed=self._count_retry)  # fmt: skip
         self._count_fetch(len(keys))
         self.counters.fetch_seconds += time.perf_counter() - t0
+
+    def _count_retry(self) -> None:
+        self.counters.fetch_retries += 1
 
     def _count_fetch(self, rows: int) -> None:
         self.counters.fetched_rows += rows
@@ -494,6 +503,8 @@ class ResidencyManager:
         c.missing_pairs += missed_first
         if not scan:
             self.policy.observe(keys)
+            if self.fp4 is not None:
+                self.fp4.after_step(keys)
         self._learn_tokens()
         self._end_step()
         return out
@@ -546,6 +557,8 @@ class ResidencyManager:
                 self._plan_and_apply(keys, True)
                 continue
             self.policy.observe(keys)
+            if self.fp4 is not None:
+                self.fp4.after_step(keys)
             if len(read):  # (a pass that read nothing has nothing to place: less host time)
                 self.apply(self.policy.plan_promotion(keys, PROMOTE_ROWS_PER_PASS))
 
@@ -557,7 +570,8 @@ class ResidencyManager:
         if kpi:
             log.info("%s", self.kpi_line())
             self.save_hot_set()
-        self.publisher.publish(c, self.coverage, force=kpi)
+        fp4 = self.fp4.metrics() if self.fp4 is not None else None
+        self.publisher.publish(c, self.coverage, force=kpi, fp4=fp4)
 
     def _learn_tokens(self) -> None:
         """Teach the policy what each input token of the step routed (the last pass's ids)."""
@@ -652,7 +666,8 @@ class ResidencyManager:
         stats = self.store.stats() if hasattr(self.store, "stats") else {}
         hits, misses = stats.get("hit_rows", 0), stats.get("miss_rows", 0)
         arena = f"{100.0 * hits / (hits + misses):.1f}%" if hits + misses else "n/a"
-        c.window = {
+        fp4 = self.fp4.kpi(steps, w) if self.fp4 is not None else ""  # updates w's fp4_ keys
+        c.window = {k: v for k, v in w.items() if k.startswith("fp4_")} | {
             k: getattr(c, k)
             for k in (
                 "steps",
@@ -670,7 +685,7 @@ class ResidencyManager:
             f"moet KPI: {steps} steps: replay {pct:.1f}% of steps, {pairs:.2f} missing pairs/step, "
             f"pool coverage {100 * self.coverage:.1f}%, second-order replays {second}, "
             f"unrestored steps {unrestored}, arena hit {arena}, predicted fetches {predicted:.1f}% "
-            f"of steps{in_place}"
+            f"of steps{in_place}{fp4}"
         )
 
     def close(self) -> None:
@@ -681,6 +696,36 @@ class ResidencyManager:
             torch.cuda.cudart().cudaHostUnregister(addr)
         self._pinned_host = []
         self.store.close()
+        if self.fp4 is not None:
+            self.fp4.close()
+
+
+def fetch_rows(store, pool, row_bytes, keys, slots, attempts: int, what: str = "", failed=None):
+    """Read `keys` (ordinal, expert) from `store` and copy each row's first `row_bytes` into
+    `pool[slot]`, in one batch, tried up to `attempts` times (`failed()` after each failed try),
+    then MoetResidencyError. On a GPU the copies are queued together and waited for once, before the
+    store releases the rows. Nothing is published here."""
+    cuda = pool.is_cuda
+    for attempt in range(1, attempts + 1):
+        try:
+            with store.fetch(keys) as batch:
+                for view, slot in zip(batch.views, slots, strict=True):
+                    with warnings.catch_warnings():  # a read-only view, copied at once
+                        warnings.simplefilter("ignore", UserWarning)
+                        row = torch.frombuffer(view, dtype=torch.uint8)
+                    pool[int(slot)].copy_(row[:row_bytes], non_blocking=cuda)
+                if cuda:
+                    torch.cuda.current_stream(pool.device).synchronize()
+            return
+        except OSError as e:
+            if failed is not None:
+                failed()
+            if attempt == attempts:
+                raise MoetResidencyError(
+                    f"moet: fetching {len(keys)} {what + ' ' if what else ''}experts from the "
+                    f"pack files failed {attempt} times ({e}); the step's experts cannot be "
+                    "restored"
+                ) from None
 
 
 def tp_reduce_max(missed: int) -> int:

@@ -57,6 +57,17 @@ COUNTERS = {
     ),
 }
 
+# the FP4 tier's counters (fp4pool.Fp4Pool.metrics), exported where a rank serves the tier
+FP4_COUNTERS = {
+    "fp4_promotions": ("moet_fp4_promotions", "Expert rows that entered the FP4 pool"),
+    "fp4_evictions": ("moet_fp4_evictions", "Expert rows that left the FP4 pool"),
+    "fp4_routed_pairs": (
+        "moet_fp4_routed_experts",
+        "(MoE layer, expert) pairs routed by decode steps (the FP4 hit rate's denominator)",
+    ),
+    "fp4_hit_pairs": ("moet_fp4_hit_experts", "Of those, the pairs computed from an FP4 row"),
+}
+
 
 def run_dir() -> Path | None:
     d = os.environ.get(RUN_DIR_ENV)
@@ -89,13 +100,15 @@ class Publisher:
         self.path = d / f"rank{rank}.json" if d else None
         self.every_s, self.last = every_s, 0.0
 
-    def publish(self, counters, coverage: float, force: bool = False) -> None:
+    def publish(self, counters, coverage: float, force: bool = False, fp4=None) -> None:
+        """`fp4`: the FP4 tier's numbers (FP4_COUNTERS and `fp4_pool_coverage`), if it runs."""
         now = time.monotonic()
         if self.path is None or (not force and now - self.last < self.every_s):
             return
         self.last = now
         data = {k: getattr(counters, k) for k in COUNTERS}
         data["pool_coverage"] = coverage
+        data.update(fp4 or {})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
@@ -186,6 +199,20 @@ class Collector:
         )
         for rank, data in ranks:
             g.add_metric([rank], float(data.get("pool_coverage", 0)))
+        yield g
+        fp4 = [(rank, data) for rank, data in ranks if "fp4_pool_coverage" in data]
+        if not fp4:
+            return
+        for key, (name, doc) in FP4_COUNTERS.items():
+            m = CounterMetricFamily(name, doc, labels=["rank"])
+            for rank, data in fp4:
+                m.add_metric([rank], float(data.get(key, 0)))
+            yield m
+        g = GaugeMetricFamily(
+            "moet_fp4_pool_coverage", "Share of the experts the FP4 pool holds", labels=["rank"]
+        )
+        for rank, data in fp4:
+            g.add_metric([rank], float(data["fp4_pool_coverage"]))
         yield g
 
 

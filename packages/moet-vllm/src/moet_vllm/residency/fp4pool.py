@@ -1,0 +1,119 @@
+"""The FP4 tier on the device (issue 19; design.md, Residency): a pool of `fp4r` expert rows beside
+the W2 pool, one slot per (MoE layer, expert) it holds, preferred over the W2 slot by the MoE op.
+
+* `pool` uint8 [n_slots, row_bytes] and `table` int32 [moe_layers, E] (-1: no FP4 row) on the
+  layers' device, allocated at boot and never moved, so a captured CUDA graph reads them by
+  address; MTP (pinned) layers keep table rows of -1 (their experts stay W2);
+* the host source: a moet-store `Store` over the model's `fp4r` pack (loading.py writes it);
+* the decisions: `fp4tier.Fp4Tier` (heat after each decode step), the same rules the quality
+  simulation (`moet eval-gate`) takes. Plans are applied only between forward passes: the
+  evictions are published first, then the rows copied, then their slots published.
+
+A pool that holds every pair is filled at boot: there is nothing left to decide.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .fp4tier import Fp4Tier, TierCounters
+from .manager import MoetResidencyError, fetch_rows
+from .policy import Plan, key_pairs
+
+log = logging.getLogger("vllm.moet")
+
+
+class Fp4Pool:
+    def __init__(
+        self,
+        layout,
+        store,
+        moe_layers: int,
+        tiered: list[int],
+        n_experts: int,
+        n_slots: int,
+        device: torch.device,
+        fetch_attempts: int = 3,
+    ):
+        self.layout, self.store, self.n_experts = layout, store, n_experts
+        self.tiered = list(tiered)  # the MoE-layer ordinal of each tiered layer (the tier's keys)
+        self.n_slots, self.fetch_attempts = n_slots, fetch_attempts
+        self.tier = Fp4Tier(n_slots, len(self.tiered), n_experts)
+        try:
+            self.pool = torch.zeros(n_slots, layout.row_bytes, dtype=torch.uint8, device=device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            raise MoetResidencyError(
+                f"moet: an FP4 pool of {n_slots} slots ({n_slots * layout.row_bytes / 2**30:.2f} "
+                f"GiB) does not fit in {device} memory: lower fp4_pool"
+            ) from e
+        self.table = torch.full((moe_layers, n_experts), -1, dtype=torch.int32, device=device)
+        self.routed_pairs = self.hit_pairs = 0  # decode steps' routed pairs, and those at FP4
+        if n_slots >= len(self.tiered) * n_experts:
+            self.apply(self.tier.policy.plan(np.arange(self.tier.policy.n_keys)))
+            self.tier.counters = TierCounters()  # the boot fill is no step's promotion
+
+    @property
+    def coverage(self) -> float:
+        """Share of the tiered (layer, expert) pairs the pool holds at once."""
+        return self.n_slots / max(1, len(self.tiered) * self.n_experts)
+
+    def layer(self, ordinal: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(pool, slot-table row, layout) of one MoE layer: the op's FP4 tier."""
+        return self.pool, self.table[ordinal], self.layout
+
+    def after_step(self, keys: np.ndarray) -> None:
+        """A decode step's final pass routed `keys` (flat keys over the tiered layers): count
+        what ran at FP4, let the tier learn, and promote by heat."""
+        keys = np.asarray(keys, dtype=np.int64)
+        self.routed_pairs += len(keys)
+        self.hit_pairs += int(np.count_nonzero(self.tier.resident.ravel()[keys]))
+        self.tier.observe(keys, gated=False)
+        plan = self.tier.heat_plan(keys)
+        if len(plan.fetch_keys):
+            self.apply(plan)
+
+    def apply(self, plan: Plan) -> None:
+        """Evict, fetch and publish one plan (between forward passes); a failed fetch publishes
+        nothing it read, and the victims leave the pool."""
+        for o, e in key_pairs(plan.evict_keys, self.n_experts):
+            self.table[self.tiered[o], e] = -1
+        fetch = [(self.tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, self.n_experts)]
+        try:
+            if fetch:
+                fetch_rows(self.store, self.pool, self.layout.row_bytes, fetch, plan.fetch_slots,
+                           self.fetch_attempts, "FP4")  # fmt: skip
+        except MoetResidencyError:
+            self.tier.commit(Plan(evict_keys=plan.evict_keys, evict_slots=plan.evict_slots,
+                                  version=plan.version))  # fmt: skip
+            raise
+        for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
+            self.table[o, e] = int(slot)
+        self.tier.commit(plan)
+
+    def metrics(self) -> dict:
+        """Totals since boot for `/metrics` (metrics.FP4_COUNTERS) and the pool's coverage."""
+        c = self.tier.counters
+        return {"fp4_promotions": c.promotions, "fp4_evictions": c.evictions,
+                "fp4_routed_pairs": self.routed_pairs, "fp4_hit_pairs": self.hit_pairs,
+                "fp4_pool_coverage": self.coverage}  # fmt: skip
+
+    def kpi(self, steps: int, window: dict) -> str:
+        """The KPI line's FP4 part over the `steps` since `window` (updated in place)."""
+        c = self.tier.counters
+        routed = self.routed_pairs - window.get("fp4_routed", 0)
+        hits = self.hit_pairs - window.get("fp4_hits", 0)
+        prom = (c.promotions - window.get("fp4_promotions", 0)) / max(steps, 1)
+        evic = (c.evictions - window.get("fp4_evictions", 0)) / max(steps, 1)
+        window.update(fp4_routed=self.routed_pairs, fp4_hits=self.hit_pairs,
+                      fp4_promotions=c.promotions, fp4_evictions=c.evictions)  # fmt: skip
+        return (
+            f", FP4 pool coverage {100 * self.coverage:.1f}% (routed experts at FP4 "
+            f"{100 * hits / max(routed, 1):.1f}%), FP4 promotions {prom:.2f} / evictions "
+            f"{evic:.2f} per step"
+        )
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,125 @@
+"""The FP4 tier's device pool (residency/fp4pool.py) under the residency manager, on a small MoE
+stack (pure torch, real moet-store packs for both tiers): every step's output equals an
+independent forward that takes each routed expert's FP4 row where an Fp4Tier fed the same
+routing holds it and its W2 row elsewhere; a pool of every pair serves all-FP4 from the first
+step; prefills never change the FP4 pool; a failed FP4 fetch publishes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_residency_manager import INTER, LAYOUT, ROUTING, E, H, L, Stack, steps
+
+import moet_store
+from moet_kernels.layout import RowLayout
+from moet_kernels.reference import route_reference, tiered_moe_slots_reference
+from moet_vllm.residency.fp4pool import Fp4Pool
+from moet_vllm.residency.fp4tier import Fp4Tier
+from moet_vllm.residency.manager import MoetResidencyError, ResidencyManager
+
+FP4 = RowLayout(H, INTER, "fp4r")
+
+
+class Fp4Stack(Stack):
+    """The W2 stack plus an fp4r row per (layer, expert) in a pack of its own."""
+
+    def __init__(self, seed: int, directory):
+        super().__init__(seed, directory)
+        rng = np.random.default_rng([seed, 4])
+        self.fp4_sections = [
+            {
+                "w13_codes": rng.integers(0, 256, (E, 2 * INTER, H // 2), np.uint8),
+                "w13_scales": rng.integers(121, 125, (E, 2 * INTER, H // 32), np.uint8),
+                "w2_codes": rng.integers(0, 256, (E, H, INTER // 2), np.uint8),
+                "w2_scales": rng.integers(121, 125, (E, H, INTER // 32), np.uint8),
+            }
+            for _ in range(L)
+        ]
+        self.fp4_rows = [FP4.pack(**s) for s in self.fp4_sections]
+        self.fp4_spec = moet_store.PackSpec("fp4r", 0, 0, L, E, FP4.row_bytes, {"test": seed})
+        w = moet_store.open_pack_for_write(directory, self.fp4_spec)
+        for layer, rows in enumerate(self.fp4_rows):
+            w.write_layer(layer, rows)
+        w.close()
+
+    def fp4_store(self, **kw):
+        return moet_store.open_store(self.directory, self.fp4_spec, backend="ram", **kw)
+
+    def expected(self, x: torch.Tensor, fp4_resident: np.ndarray) -> torch.Tensor:
+        """The forward with layer l's expert e from its FP4 row where fp4_resident[l, e], else
+        its W2 row: pools built here from the sections, not by the manager."""
+        h = x
+        for layer in range(L):
+            w, ids = route_reference(h @ self.routers[layer], ROUTING)
+            w2_pool = torch.from_numpy(LAYOUT.pack(**self.sections[layer]))
+            fp4_pool = torch.from_numpy(self.fp4_rows[layer])
+            ident = torch.arange(E, dtype=torch.int32)
+            fp4_table = torch.where(torch.from_numpy(fp4_resident[layer]), ident, -1)
+            y = tiered_moe_slots_reference(
+                h, ids, w, [(fp4_pool, fp4_table, FP4), (w2_pool, ident, LAYOUT)], h.shape[0],
+                torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.uint8),
+            )  # fmt: skip
+            h = h + y
+        return h
+
+
+def fp4_manager(stack: Fp4Stack, n_fp4: int, n_slots: int = 24, fp4_store=None):
+    fp4 = Fp4Pool(FP4, fp4_store or stack.fp4_store(), L, list(range(L)), E, n_fp4, "cpu")
+    return ResidencyManager(
+        LAYOUT, list(range(L)), E, n_slots, stack.store(), reduce_max=lambda m: m, kpi_every=0,
+        fp4=fp4,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("n_fp4", [3, 6])
+def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(tmp_path, n_fp4):
+    stack = Fp4Stack(n_fp4, tmp_path)
+    mgr = fp4_manager(stack, n_fp4)
+    twin = Fp4Tier(n_fp4, L, E)  # the same decisions, taken apart from the manager
+    promoted = 0
+    for x, scan in steps(n_fp4, 40):
+        want = stack.expected(x, twin.resident.copy())
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
+        assert torch.equal(got, want)
+        if not scan:  # the step's routing, from the manager's own routed mask
+            o, e = np.nonzero(mgr.routed.numpy())
+            keys = o.astype(np.int64) * E + e
+            twin.observe(keys, gated=False)
+            plan = twin.heat_plan(keys)
+            twin.commit(plan)
+            promoted += len(plan.fetch_keys)
+        assert np.array_equal(twin.resident, mgr.fp4.tier.resident)
+        assert np.array_equal(mgr.fp4.table.numpy() >= 0, twin.resident)
+    assert promoted > n_fp4  # the pool filled and then swapped by heat
+    c = mgr.fp4.tier.counters
+    assert c.promotions == promoted and c.evictions == promoted - n_fp4
+    line = mgr.kpi_line()
+    assert f"FP4 pool coverage {100 * n_fp4 / (L * E):.1f}%" in line and "FP4 promotions" in line
+
+
+def test_a_pool_of_every_pair_serves_all_fp4_from_the_first_step(tmp_path):
+    stack = Fp4Stack(1, tmp_path)
+    mgr = fp4_manager(stack, L * E)
+    everything = np.ones((L, E), dtype=bool)
+    for x, scan in steps(1, 10):
+        got = mgr.run_forward(
+            lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
+        )
+        assert torch.equal(got, stack.expected(x, everything))
+    assert mgr.fp4.tier.counters.promotions == 0  # filled at boot, nothing left to promote
+
+
+def test_a_failed_fp4_fetch_fails_the_step_and_publishes_nothing(tmp_path):
+    stack = Fp4Stack(2, tmp_path)
+    bad = moet_store.open_store(
+        tmp_path, stack.fp4_spec, backend="pagecache", faults={"eio_after": 0}, preheat=False
+    )
+    mgr = fp4_manager(stack, 4, fp4_store=bad)
+    x = torch.randn(1, H)
+    with pytest.raises(MoetResidencyError, match="FP4 experts from the pack files failed 3 times"):
+        mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1)
+    assert bool((mgr.fp4.table < 0).all())  # an FP4 row half-read is never served
+    assert not mgr.fp4.tier.resident.any()

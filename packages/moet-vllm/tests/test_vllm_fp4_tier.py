@@ -1,0 +1,61 @@
+"""The FP4 tier end to end on vLLM CPU (float32) with the trained fixture (serving.FIXTURE: 3 MoE
+layers x 64 experts, top-4): a pool of every pair serves transformers' greedy tokens with every
+routed expert at fp4r, whether the rows are re-quantized from the official checkpoint or rebuilt
+from a moet checkpoint's refinement planes; a pool of 25% fills and swaps by heat (KPI lines and
+`/metrics`-bound counters), and the FP4 rows it holds change what is served."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from serving import FIXTURE, convert_fixture, fixture_prompts, hf_reference_tokens, run_vllm
+
+pytest.importorskip("vllm")
+
+ONE_SEQ = ["--max-num-seqs", "1"]
+
+
+def fp4_env(cache, pool: str, **more) -> dict:
+    return {"MOET_FP4_TIER": "fp4r", "MOET_FP4_POOL": pool, "MOET_CACHE_DIR": str(cache), **more}
+
+
+def test_a_pool_of_every_pair_serves_fp4r_experts_from_either_checkpoint(tmp_path):
+    prompts = fixture_prompts(2)
+    want = hf_reference_tokens(FIXTURE, FIXTURE, prompts=prompts, tier="fp4r")
+    assert want != hf_reference_tokens(FIXTURE, FIXTURE, prompts=prompts)  # FP4 is not W2 here
+    official = run_vllm(FIXTURE, tmp_path, "official", quantization="moet", extra=ONE_SEQ,
+                        prompts=prompts, env=fp4_env(tmp_path / "packs-a", "100%"))  # fmt: skip
+    assert official["tokens"] == want
+    assert "FP4 tier fp4r (fp4_pool='100%')" in official["log"]
+    moet = convert_fixture(tmp_path / "fixture-fp4r", fp4_tier="fp4r")
+    served = run_vllm(moet, tmp_path, "moet-ckpt", extra=ONE_SEQ, prompts=prompts,
+                      env=fp4_env(tmp_path / "packs-b", "100%"))  # fmt: skip
+    assert served["tokens"] == want  # the refinement planes rebuild the same nibbles
+
+
+def test_a_quarter_pool_fills_and_swaps_by_heat(tmp_path):
+    prompts = fixture_prompts(4)
+    env = fp4_env(tmp_path / "packs", "48", MOET_KPI_EVERY="4")
+    tiered = run_vllm(FIXTURE, tmp_path, "fp4-48", quantization="moet", extra=ONE_SEQ,
+                      prompts=prompts, env=env)  # fmt: skip
+    w2 = run_vllm(FIXTURE, tmp_path, "w2", quantization="moet", extra=ONE_SEQ, prompts=prompts,
+                  env={"MOET_CACHE_DIR": str(tmp_path / "packs")})  # fmt: skip
+    assert tiered["logprobs"] != w2["logprobs"]  # FP4 rows served
+    lines = re.findall(
+        r"FP4 pool coverage ([\d.]+)% \(routed experts at FP4 ([\d.]+)%\), FP4 promotions "
+        r"([\d.]+) / evictions ([\d.]+) per step",
+        tiered["log"],
+    )
+    assert lines, tiered["log"][-3000:]
+    assert {cov for cov, *_ in lines} == {"25.0"}  # 48 of 192 pairs
+    assert max(float(hit) for _, hit, _, _ in lines) > 0
+    assert sum(float(p) for _, _, p, _ in lines) > 0 and sum(float(e) for *_, e in lines) > 0
+
+
+def test_fp4x_is_refused_until_it_is_served(tmp_path):
+    r = run_vllm(FIXTURE, tmp_path, "fp4x", quantization="moet", check=False,
+                 env={"MOET_FP4_TIER": "fp4x", "MOET_CACHE_DIR": str(tmp_path / "p")})  # fmt: skip
+    assert r["returncode"] != 0
+    assert "fp4_tier='fp4x'" in r["log"] and "not served yet" in r["log"]
+    assert "Traceback" not in r["log"].split("fp4_tier='fp4x'")[-1][:200]
