@@ -48,10 +48,12 @@ class Fp4Stack(Stack):
 
     def expected(self, x: torch.Tensor, fp4_resident: np.ndarray) -> torch.Tensor:
         """The forward with layer l's expert e from its FP4 row where fp4_resident[l, e], else
-        its W2 row: pools built here from the sections, not by the manager."""
-        h = x
+        its W2 row: pools built here from the sections, not by the manager; the flat keys it
+        routed in `self.keys`."""
+        h, self.keys = x, []
         for layer in range(L):
             w, ids = route_reference(h @ self.routers[layer], ROUTING)
+            self.keys.append(layer * E + np.unique(ids.numpy()))
             w2_pool = torch.from_numpy(LAYOUT.pack(**self.sections[layer]))
             fp4_pool = torch.from_numpy(self.fp4_rows[layer])
             ident = torch.arange(E, dtype=torch.int32)
@@ -61,15 +63,24 @@ class Fp4Stack(Stack):
                 torch.zeros(1, dtype=torch.int32), torch.zeros(E, dtype=torch.uint8),
             )  # fmt: skip
             h = h + y
+        self.keys = np.concatenate(self.keys)
         return h
 
 
-def fp4_manager(stack: Fp4Stack, n_fp4: int, n_slots: int = 24, fp4_store=None):
+def fp4_manager(stack: Fp4Stack, n_fp4: int, n_slots: int = 24, fp4_store=None, **gate):
     fp4 = Fp4Pool(FP4, fp4_store or stack.fp4_store(), L, list(range(L)), E, n_fp4, "cpu")
     return ResidencyManager(
         LAYOUT, list(range(L)), E, n_slots, stack.store(), reduce_max=lambda m: m, kpi_every=0,
-        fp4=fp4,
+        fp4=fp4, **gate,
     )  # fmt: skip
+
+
+VOCAB = torch.from_numpy(np.random.default_rng(9).standard_normal((H, 50)).astype(np.float32))
+
+
+def logits_of(h: torch.Tensor) -> torch.Tensor:
+    """A stand-in for the model's lm_head over the stack's output rows."""
+    return h @ VOCAB
 
 
 @pytest.mark.parametrize("n_fp4", [3, 6])
@@ -123,3 +134,49 @@ def test_a_failed_fp4_fetch_fails_the_step_and_publishes_nothing(tmp_path):
         mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1)
     assert bool((mgr.fp4.table < 0).all())  # an FP4 row half-read is never served
     assert not mgr.fp4.tier.resident.any()
+
+
+@pytest.mark.parametrize("tau", [0.0, 10.0, 1e9])
+def test_the_gate_replays_a_step_below_tau_with_its_routed_experts_at_fp4(tmp_path, tau):
+    """margin >= 0 always: tau 0 never gates, 1e9 gates every decode step, 10 some. A gated
+    step's output is the second pass's, with the first pass's routed pairs promoted."""
+    from moet_vllm.residency.fp4tier import confidence
+
+    stack = Fp4Stack(5, tmp_path)
+    mgr = fp4_manager(stack, 6, gate=True, gate_metric="margin", gate_tau=tau)
+    twin = Fp4Tier(6, L, E)
+    gated = decode = 0
+    for x, scan in steps(5, 30):
+        want = stack.expected(x, twin.resident.copy())
+        fires = not scan and bool(confidence(logits_of(want), "margin").min() < tau)
+        if fires:
+            twin.commit(twin.gate_plan(stack.keys))
+            want = stack.expected(x, twin.resident.copy())
+        got = mgr.run_forward(lambda x=x, eager=False: stack.forward(x, mgr), scan=scan,
+                              n_real=x.shape[0], logits_of=logits_of)  # fmt: skip
+        assert torch.equal(got, want)
+        if not scan:
+            twin.observe(stack.keys, fires)
+            twin.commit(twin.heat_plan(stack.keys))
+            decode += 1
+            gated += fires
+        assert np.array_equal(mgr.fp4.tier.resident, twin.resident)
+    assert mgr.fp4.tier.counters.gated_steps == gated
+    if tau == 0:
+        assert gated == 0
+    elif tau == 1e9:
+        assert gated == decode
+    else:
+        assert 0 < gated < decode
+    assert f"gate replay {100 * gated / decode:.1f}% of decode steps" in mgr.kpi_line()
+
+
+def test_the_gate_is_tunable_at_runtime(tmp_path):
+    stack = Fp4Stack(6, tmp_path)
+    mgr = fp4_manager(stack, 6, gate=True, gate_metric="margin", gate_tau=1e9)
+    x = torch.randn(1, H)
+    mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1, logits_of=logits_of)
+    assert mgr.fp4.tier.counters.gated_steps == 1
+    mgr.tune.poll = lambda: {"gate": "0"}  # what `moet tune gate=0` brings (metrics.TuneWatcher)
+    mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1, logits_of=logits_of)
+    assert mgr.gate is False and mgr.fp4.tier.counters.gated_steps == 1

@@ -59,3 +59,22 @@ def test_fp4x_is_refused_until_it_is_served(tmp_path):
     assert r["returncode"] != 0
     assert "fp4_tier='fp4x'" in r["log"] and "not served yet" in r["log"]
     assert "Traceback" not in r["log"].split("fp4_tier='fp4x'")[-1][:200]
+
+
+def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_path):
+    """Batch 1, a fresh pool of 25%, the gate at margin 1 nat: the greedy tokens vLLM serves
+    equal `gate_eval.simulate_generation`'s (transformers, the same Fp4Tier decisions), and
+    both gated some steps."""
+    from vllm_driver import MAX_TOKENS
+
+    from moet_vllm.gate_eval import GateConfig, simulate_generation
+
+    prompts = fixture_prompts(3)
+    sim = simulate_generation(FIXTURE, prompts, MAX_TOKENS, GateConfig(0.25, 1.0, "margin"))
+    env = fp4_env(tmp_path / "packs", "25%", MOET_GATE_TAU="1.0", MOET_KPI_EVERY="1")
+    served = run_vllm(FIXTURE, tmp_path, "gated", quantization="moet", extra=ONE_SEQ,
+                      prompts=prompts, env=env)  # fmt: skip
+    assert served["tokens"] == sim["tokens"]
+    assert 0 < sim["gated"] < sim["steps"]
+    gated = re.findall(r"gate replay ([\d.]+)% of decode steps", served["log"])
+    assert gated and max(float(g) for g in gated) > 0

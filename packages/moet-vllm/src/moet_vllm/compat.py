@@ -108,7 +108,8 @@ __all__ = [
 #    only, so that each forward pass runs inside moet's fetch-and-replay loop. It reads the
 #    runner's `query_start_loc.np` and `input_batch.num_reqs` (the real tokens of the step) and
 #    the forward context's `cudagraph_runtime_mode` (set to NONE for an eager replay) and
-#    `moe_layer_index` (reset before a replay).
+#    `moe_layer_index` (reset before a replay); the FP4 tier's confidence gate calls the
+#    runner's `model.compute_logits` on a decode step's output rows.
 # 8. `Worker.compile_or_warm_up_model` (GPU and CPU workers): a hook runs first, after the KV
 #    cache is allocated and before CUDA graphs are captured (`gpu_pool=auto` takes its size there).
 # 9. `Worker.determine_available_memory` (GPU worker): wrapped under `gpu_pool=auto`, so that the
@@ -304,10 +305,11 @@ def run_vllm_cli(argv: list[str]) -> None:
 
 def wrap_model_forward(run_step) -> None:
     """Every model forward of the V1 runner goes through `run_step(forward, n_tokens, n_real,
-    scan, input_ids)` (touch point 7): `forward()` runs the pass and may be called again (a
-    replay of the same CUDA graph, KV-safe: a replay rewrites the same cache slots);
+    scan, input_ids, logits_of)` (touch point 7): `forward()` runs the pass and may be called
+    again (a replay of the same CUDA graph, KV-safe: a replay rewrites the same cache slots);
     `forward(eager=True)` runs it outside any CUDA graph; `input_ids` (None with input
-    embeddings) feed the expert predictor."""
+    embeddings) feed the expert predictor; `logits_of(hidden)` is the model's `compute_logits`
+    (the confidence gate's)."""
     from vllm.config import CUDAGraphMode
     from vllm.forward_context import get_forward_context
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -336,7 +338,9 @@ def wrap_model_forward(run_step) -> None:
         n_real = min(n_tokens, int(self.query_start_loc.np[n_reqs]))
         # a step with more tokens than its requests decode is (partly) prefill: a scan
         scan = n_real > n_reqs * (1 + getattr(self, "num_spec_tokens", 0))
-        return run_step(forward, n_tokens, n_real, scan, input_ids)
+        # a decode step's rows are all sampled (one per request, or its draft tokens too):
+        # their logits are what the confidence gate reads
+        return run_step(forward, n_tokens, n_real, scan, input_ids, self.model.compute_logits)
 
     _model_forward.__moet__ = True
     GPUModelRunner._model_forward = _model_forward

@@ -51,6 +51,12 @@ class MoetConfig:
     # device slots of FP4 expert rows beside the W2 pool, filled by heat: N slots, or "P%" of the
     # (MoE layer, expert) pairs (at most 25% by default: docs/quality.md's curve)
     fp4_pool: str = "25%"
+    # the confidence gate: a decode step whose token's confidence (gate_metric: "margin", the
+    # top-2 log-probability gap in nats, or "prob", the top-1 probability) is below gate_tau
+    # promotes its routed experts to FP4 and runs once more; defaults from docs/quality.md's curve
+    gate: bool = True
+    gate_metric: str = "margin"
+    gate_tau: float = 0.5
     # -- how they are computed and cached --
     compute: str = "auto"  # auto: moet-kernels where they run, else the torch reference
     dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load
@@ -91,6 +97,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "zero_mode": w2.ZERO_MODES,
     "mode": w2.MODES,
     "fp4_tier": FP4_TIERS,
+    "gate_metric": ("margin", "prob"),
     "compute": ("auto", "kernel", "exact", "oracle"),
     "dense": ("auto", "checkpoint", "dequantize"),
     "host_tier": ("ram", "pagecache", "tiered"),
@@ -101,6 +108,9 @@ USER_FIELDS = (
     "mode",
     "fp4_tier",
     "fp4_pool",
+    "gate",
+    "gate_metric",
+    "gate_tau",
     "compute",
     "dense",
     "pack_cache",
@@ -120,7 +130,7 @@ USER_FIELDS = (
 INT_FIELDS = {"miss_tolerance": 0, "max_replays": 1, "kpi_every": 0}  # field -> minimum
 AUTO_BOOLS = ("predict", "read_in_place")  # booleans that also take "auto"
 # what a running server takes from `moet tune` (residency/metrics.py's run directory)
-RUNTIME_FIELDS = ("miss_mode", "miss_tolerance", "max_replays", "kpi_every")
+RUNTIME_FIELDS = ("miss_mode", "miss_tolerance", "max_replays", "kpi_every", "gate", "gate_tau")
 
 
 def coerce_runtime(values: Mapping[str, Any], origin: str) -> dict:
@@ -183,7 +193,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if (text.endswith("%") and _is_percent(text[:-1])) or (text.isascii() and text.isdigit()):
             return text
         raise bad('a number of FP4 expert slots (>= 0), or a percentage of the experts ("25%")')
-    if name in ("pool_reserve_gib", "host_arena"):
+    if name in ("pool_reserve_gib", "host_arena", "gate_tau"):
         text = str(value).strip()
         if name == "host_arena" and text == "auto":
             return text
@@ -192,9 +202,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         except ValueError:
             gib = -1.0
         if not (math.isfinite(gib) and gib >= 0):
+            if name == "gate_tau":
+                raise bad("a threshold >= 0 (nats for gate_metric=margin, a probability for prob)")
             raise bad(('"auto" or ' if name == "host_arena" else "") + "a size in GiB (>= 0)")
-        return gib if name == "pool_reserve_gib" else text
-    if name in ("pack_cache", "below_floor_ok", *AUTO_BOOLS):
+        return text if name == "host_arena" else gib
+    if name in ("pack_cache", "below_floor_ok", "gate", *AUTO_BOOLS):
         if name in AUTO_BOOLS and value == "auto":
             return value
         if isinstance(value, bool):

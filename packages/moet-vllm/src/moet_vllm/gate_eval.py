@@ -128,19 +128,60 @@ def _teacher_forced(model, tokens: np.ndarray, wins) -> tuple[np.ndarray, np.nda
     return top, nll
 
 
+class _Decisions:
+    """Serving's decisions around each pass of one configuration (fp4tier.Fp4Tier): the
+    simulation's and `simulate_generation`'s steps."""
+
+    def __init__(self, model, experts: _Experts, cfg: GateConfig):
+        n_keys = len(experts.mods) * experts.n_experts
+        self.n_slots = int(round(cfg.pool_share * n_keys))
+        self.tier = (
+            Fp4Tier(
+                self.n_slots, len(experts.mods), experts.n_experts,
+                max_promotions=cfg.max_promotions,
+            )
+            if self.n_slots
+            else None
+        )  # fmt: skip
+        self.model, self.experts, self.cfg = model, experts, cfg
+        experts.set_all(experts.w2)
+
+    def _apply(self, plan) -> None:
+        self.experts.apply(plan)
+        self.tier.commit(plan)
+
+    def step(self, ids, cache, decode: bool = True):
+        """One pass of token ids [1, n] with the KV cache -> (last row's logits, its
+        confidence, gated). A prefill (`decode=False`) is one pass that neither gates nor
+        changes the pool; a decode step gates when its confidence is below tau (the routed
+        pairs into the pool, the step again from the same context: that pass is final), then
+        the tier learns the final pass's routing and promotes by heat. Runs under no_grad."""
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        if not decode:
+            return logits, None, False
+        c = float(confidence(logits, self.cfg.metric))
+        gated = self.tier is not None and c < self.cfg.tau
+        if gated:
+            self._apply(self.tier.gate_plan(self.experts.keys()))
+            cache.crop(-ids.shape[1])
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = logits[0, -1]
+        if self.tier is not None:
+            routed = self.experts.keys()
+            self.tier.observe(routed, gated)
+            self._apply(self.tier.heat_plan(routed))
+        return logits, c, gated
+
+    def done(self) -> None:
+        self.experts.set_all(self.experts.w2)  # the model as it came
+
+
 def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress) -> dict:
     """One configuration, token by token (see the module doc)."""
     import torch
     from transformers import DynamicCache
 
-    n_keys = len(experts.mods) * experts.n_experts
-    n_slots = int(round(cfg.pool_share * n_keys))
-    tier = (
-        Fp4Tier(n_slots, len(experts.mods), experts.n_experts, max_promotions=cfg.max_promotions)
-        if n_slots
-        else None
-    )
-    experts.set_all(experts.w2)
+    sim = _Decisions(model, experts, cfg)
     n = tokens.size - 1
     top, nll, conf = np.empty(n, np.int64), np.empty(n), np.empty(n)
     gated = np.zeros(n, bool)
@@ -149,38 +190,50 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress)
             cache = DynamicCache()
             for t in range(s, s + w):
                 x = torch.tensor([[int(tokens[t])]])
-                logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits[0, -1]
-                c = float(confidence(logits, cfg.metric))
-                conf[t] = c
-                if tier is not None and c < cfg.tau:
-                    plan = tier.gate_plan(experts.keys())
-                    experts.apply(plan)
-                    tier.commit(plan)
-                    cache.crop(-1)  # the step again, from the same context
-                    logits = model(input_ids=x, past_key_values=cache, use_cache=True).logits
-                    logits = logits[0, -1]
-                    gated[t] = True
+                logits, conf[t], gated[t] = sim.step(x, cache)
                 lp = torch.log_softmax(logits.double(), -1)
                 top[t] = int(lp.argmax())
                 nll[t] = -float(lp[int(tokens[t + 1])])
-                if tier is not None:
-                    routed = experts.keys()
-                    tier.observe(routed, gated[t])
-                    plan = tier.heat_plan(routed)
-                    experts.apply(plan)
-                    tier.commit(plan)
             progress(w)
-    experts.set_all(experts.w2)  # the model as it came
-    c = tier.counters if tier is not None else None
+    sim.done()
+    c = sim.tier.counters if sim.tier is not None else None
     return {
         "top": top,
         "nll": nll,
         "conf": conf,
         "gated": gated,
-        "slots": n_slots,
+        "slots": sim.n_slots,
         "promotions": c.promotions if c else 0,
         "evictions": c.evictions if c else 0,
     }
+
+
+def simulate_generation(model_dir, prompts, max_tokens: int, cfg: GateConfig) -> dict:
+    """Greedy generation at batch 1 as serving decides it: each prompt (token ids, one request
+    after another, the pool kept) prefilled in one pass, then `max_tokens - 1` decode steps
+    (the first token comes from the prefill's logits) -> {"tokens": [[...] per prompt],
+    "gated": steps gated, "steps": decode steps}. What serving must reproduce."""
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from moet_quant.quality import quantized_copy
+
+    ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    w2_model, _ = quantized_copy(ref, "w2-reference")
+    fp4_model, _ = quantized_copy(ref, "fp4r")
+    sim = _Decisions(w2_model, _Experts(w2_model, w2_model, fp4_model), cfg)
+    out, gated, steps = [], 0, 0
+    with torch.no_grad():
+        for p in prompts:
+            cache = DynamicCache()
+            logits, _, _ = sim.step(torch.tensor([list(p)]), cache, decode=False)
+            toks = [int(logits.argmax())]
+            for _ in range(max_tokens - 1):
+                logits, _, g = sim.step(torch.tensor([[toks[-1]]]), cache)
+                toks.append(int(logits.argmax()))
+                gated, steps = gated + g, steps + 1
+            out.append(toks)
+    return {"tokens": out, "gated": gated, "steps": steps}
 
 
 def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | None = None) -> dict:

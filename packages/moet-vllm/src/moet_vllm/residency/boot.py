@@ -71,6 +71,9 @@ def start_residency(
         device=device,
         read_in_place=read_in_place,
         fp4=fp4,
+        gate=cfg.gate,
+        gate_metric=cfg.gate_metric,
+        gate_tau=cfg.gate_tau,
     )
     if cfg.gpu_pool == "all":  # every W2 expert resident (a manager for the FP4 tier): filled now
         mgr.preload(np.arange(n_tiered_keys))

@@ -64,13 +64,19 @@ class Fp4Pool:
         """(pool, slot-table row, layout) of one MoE layer: the op's FP4 tier."""
         return self.pool, self.table[ordinal], self.layout
 
-    def after_step(self, keys: np.ndarray) -> None:
-        """A decode step's final pass routed `keys` (flat keys over the tiered layers): count
-        what ran at FP4, let the tier learn, and promote by heat."""
+    def gate(self, keys: np.ndarray) -> None:
+        """The confidence gate fired: every pair the step's pass routed (`keys`) into the pool
+        (the coldest others leave), before the step runs once more."""
+        self.apply(self.tier.gate_plan(keys))
+
+    def after_step(self, keys: np.ndarray, gated: bool = False) -> None:
+        """A decode step's final pass routed `keys` (flat keys over the tiered layers; `gated`:
+        that pass was the gate's replay): count what ran at FP4, let the tier learn, and
+        promote by heat."""
         keys = np.asarray(keys, dtype=np.int64)
         self.routed_pairs += len(keys)
         self.hit_pairs += int(np.count_nonzero(self.tier.resident.ravel()[keys]))
-        self.tier.observe(keys, gated=False)
+        self.tier.observe(keys, gated)
         plan = self.tier.heat_plan(keys)
         if len(plan.fetch_keys):
             self.apply(plan)
@@ -97,6 +103,7 @@ class Fp4Pool:
         """Totals since boot for `/metrics` (metrics.FP4_COUNTERS) and the pool's coverage."""
         c = self.tier.counters
         return {"fp4_promotions": c.promotions, "fp4_evictions": c.evictions,
+                "fp4_gated_steps": c.gated_steps,
                 "fp4_routed_pairs": self.routed_pairs, "fp4_hit_pairs": self.hit_pairs,
                 "fp4_pool_coverage": self.coverage}  # fmt: skip
 
@@ -107,12 +114,15 @@ class Fp4Pool:
         hits = self.hit_pairs - window.get("fp4_hits", 0)
         prom = (c.promotions - window.get("fp4_promotions", 0)) / max(steps, 1)
         evic = (c.evictions - window.get("fp4_evictions", 0)) / max(steps, 1)
+        decode = c.steps - window.get("fp4_steps", 0)
+        gated = 100 * (c.gated_steps - window.get("fp4_gated", 0)) / max(decode, 1)
         window.update(fp4_routed=self.routed_pairs, fp4_hits=self.hit_pairs,
-                      fp4_promotions=c.promotions, fp4_evictions=c.evictions)  # fmt: skip
+                      fp4_promotions=c.promotions, fp4_evictions=c.evictions, fp4_steps=c.steps,
+                      fp4_gated=c.gated_steps)  # fmt: skip
         return (
             f", FP4 pool coverage {100 * self.coverage:.1f}% (routed experts at FP4 "
-            f"{100 * hits / max(routed, 1):.1f}%), FP4 promotions {prom:.2f} / evictions "
-            f"{evic:.2f} per step"
+            f"{100 * hits / max(routed, 1):.1f}%), gate replay {gated:.1f}% of decode steps, FP4 "
+            f"promotions {prom:.2f} / evictions {evic:.2f} per step"
         )
 
     def close(self) -> None:

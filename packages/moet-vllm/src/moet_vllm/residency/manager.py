@@ -54,6 +54,7 @@ import torch
 from ..compat import MoetVllmError
 from ..config import coerce_runtime
 from . import sizing
+from .fp4tier import confidence
 from .metrics import Publisher, TuneWatcher
 from .policy import PROMOTE_ROWS_PER_PASS, Plan, ResidencyPolicy, key_pairs
 
@@ -111,6 +112,7 @@ class _Returning:
     miss: torch.Tensor  # the ring's pinned buffers the copies land in
     routed: torch.Tensor
     resident: np.ndarray  # bool [policy keys]: the pool as the pass read it
+    gated: bool = False  # the pass is a confidence gate's replay
 
     def arrived(self) -> bool:
         return self.event is None or self.event.query()
@@ -163,9 +165,13 @@ class ResidencyManager:
         device: str | torch.device = "cpu",
         read_in_place: bool = False,
         fp4=None,
+        gate: bool = False,
+        gate_metric: str = "margin",
+        gate_tau: float = 0.5,
     ):
         self.layout, self.n_experts, self.store = layout, n_experts, store
         self.fp4 = fp4  # the FP4 tier's pool (fp4pool.Fp4Pool), or None
+        self.gate, self.gate_metric, self.gate_tau = gate, gate_metric, gate_tau  # (with fp4)
         self.moe_layers = list(moe_layers)  # model layer index of each MoE-layer ordinal
         self.pinned = [self.moe_layers.index(m) for m in pinned_layers]
         self.tiered = [o for o in range(len(self.moe_layers)) if o not in self.pinned]
@@ -442,19 +448,22 @@ class ResidencyManager:
 
     # -- the runner hook --
 
-    def run_forward(self, forward, scan: bool = False, n_real: int | None = None, token_ids=None):
+    def run_forward(
+        self, forward, scan: bool = False, n_real: int | None = None, token_ids=None,
+        logits_of=None,
+    ):  # fmt: skip
         """Run `forward()` (one model forward pass) until every expert it routes is resident;
         a replay that stages the overflow of a step larger than the pool runs
         `forward(eager=True)` (outside any CUDA graph: the staging is Python). `n_real`: rows
         of the batch that are real tokens (padding never counts a miss); `token_ids`: the
-        batch's input token ids (int [tokens]; None: no prediction)."""
+        batch's input token ids (int [tokens]; None: no prediction); `logits_of(hidden)`: the
+        model's logits of hidden rows, for the confidence gate of a decode step."""
         self.n_real_tokens = n_real
         self.n_real.fill_(2**31 - 1 if n_real is None else n_real)
         self._apply_tuning()
         if self.host_pool is not None:
-            return self._run_in_place(forward, scan)
+            return self._run_in_place(forward, scan, logits_of)
         c = self.counters
-        missed_first = 0
         self._token_ids = None
         if token_ids is not None and self.policy.predicts:
             toks = torch.as_tensor(token_ids)[:n_real].to("cpu", torch.int64).numpy()
@@ -468,6 +477,26 @@ class ResidencyManager:
                         c.predicted_rows += len(plan.fetch_keys)
                     except MoetResidencyError as e:  # a guess: the demand fetch decides
                         log.warning("moet: the predicted fetch failed, continuing: %s", e)
+        out, keys, missed_first = self._until_resident(forward, scan)
+        c.replayed_steps += missed_first > 0
+        c.missing_pairs += missed_first
+        gated = not scan and self._gates(out, logits_of)
+        if gated:  # the step's routed experts to FP4, and the step once more: that pass is final
+            self.fp4.gate(keys)
+            out, keys, _ = self._until_resident(forward, scan)
+        if not scan:
+            self.policy.observe(keys)
+            if self.fp4 is not None:
+                self.fp4.after_step(keys, gated)
+        self._learn_tokens()
+        self._end_step()
+        return out
+
+    def _until_resident(self, forward, scan: bool) -> tuple[object, np.ndarray, int]:
+        """Passes of `forward` until one finds every expert it routes resident (replays, up to
+        `max_replays`) -> (its output, the flat keys it routed, the first pass's misses)."""
+        c = self.counters
+        missed_first = 0
         for attempt in range(self.max_replays + 1):
             self.miss_count.zero_()
             self.routed.zero_()
@@ -499,17 +528,20 @@ class ResidencyManager:
             c.replays += 1
             c.second_order += attempt > 0
         self.streaming = False
-        c.replayed_steps += missed_first > 0
-        c.missing_pairs += missed_first
-        if not scan:
-            self.policy.observe(keys)
-            if self.fp4 is not None:
-                self.fp4.after_step(keys)
-        self._learn_tokens()
-        self._end_step()
-        return out
+        return out, keys, missed_first
 
-    def _run_in_place(self, forward, scan: bool):
+    def _gates(self, out, logits_of) -> bool:
+        """Whether a decode step's confidence gate fires: with an FP4 tier and `gate` on, some
+        real row's confidence (`gate_metric`) of the logits of `out` is below `gate_tau` (one
+        device-to-host sync)."""
+        if self.fp4 is None or not self.gate or logits_of is None or not torch.is_tensor(out):
+            return False
+        rows = out if self.n_real_tokens is None else out[: self.n_real_tokens]
+        if len(rows) == 0:
+            return False
+        return bool(confidence(logits_of(rows), self.gate_metric).min() < self.gate_tau)
+
+    def _run_in_place(self, forward, scan: bool, logits_of=None):
         """One pass: what the pool lacks is read from host memory in place (nothing misses).
         Each pass's routed mask comes back asynchronously (a ring buffer's pinned copies and an
         event); the next steps that find masks arrived promote (`_promote_arrived`)."""
@@ -517,6 +549,13 @@ class ResidencyManager:
         self.miss_count.zero_()
         self.routed.zero_()
         out = forward()
+        gated = not scan and self._gates(out, logits_of)
+        if gated:  # this pass's routing, now (the gate has synced already); the final pass
+            o, e = np.nonzero(self.routed.cpu().numpy()[self.tiered])
+            self.fp4.gate(o.astype(np.int64) * self.n_experts + e)
+            self.miss_count.zero_()
+            self.routed.zero_()
+            out = forward()
         if len(self._returning) < len(self._ring):
             cuda = self.device.type == "cuda"
             miss, routed = self._ring[self._ring_next % len(self._ring)]  # FIFO: free now
@@ -529,7 +568,7 @@ class ResidencyManager:
                 event.record(torch.cuda.current_stream(self.device))
             # the pool as this pass read it: what it lacked was read in place
             resident = self.policy.slot_table.ravel() >= 0
-            self._returning.append(_Returning(event, scan, miss, routed, resident))
+            self._returning.append(_Returning(event, scan, miss, routed, resident, gated))
         # else the ring is full (the device is that far behind): this pass goes unobserved
         self._end_step()
         return out
@@ -558,7 +597,7 @@ class ResidencyManager:
                 continue
             self.policy.observe(keys)
             if self.fp4 is not None:
-                self.fp4.after_step(keys)
+                self.fp4.after_step(keys, r.gated)
             if len(read):  # (a pass that read nothing has nothing to place: less host time)
                 self.apply(self.policy.plan_promotion(keys, PROMOTE_ROWS_PER_PASS))
 
@@ -811,8 +850,10 @@ def size_auto_pool(worker=None) -> None:
     )
 
 
-def run_step(forward, n_tokens: int, n_real: int, scan: bool, token_ids=None):
+def run_step(forward, n_tokens: int, n_real: int, scan: bool, token_ids=None, logits_of=None):
     """The runner hook's body (compat touch point 7)."""
     if _active is None:
         return forward()
-    return _active.run_forward(forward, scan=scan, n_real=n_real, token_ids=token_ids)
+    return _active.run_forward(
+        forward, scan=scan, n_real=n_real, token_ids=token_ids, logits_of=logits_of
+    )

@@ -66,6 +66,10 @@ FP4_COUNTERS = {
         "(MoE layer, expert) pairs routed by decode steps (the FP4 hit rate's denominator)",
     ),
     "fp4_hit_pairs": ("moet_fp4_hit_experts", "Of those, the pairs computed from an FP4 row"),
+    "fp4_gated_steps": (
+        "moet_fp4_gated_steps",
+        "Decode steps the confidence gate ran once more with their routed experts at FP4",
+    ),
 }
 
 
