@@ -48,6 +48,18 @@ def best(position: list) -> set[int]:
     return {t for t, lp, _ in position if lp == top}
 
 
+def against_oracle(kernel: list, oracle: list) -> tuple[float, list, list]:
+    """Two engines' prompt logprobs -> (top-1 agreement, flips: (position, how far below its
+    best the oracle rates the kernels' token), logprob moves sorted)."""
+    flips, moves = [], []
+    for i, (k, o) in enumerate(zip(kernel, oracle, strict=True)):
+        ko, oo = ({t: lp for t, lp, _ in pos} for pos in (k, o))
+        moves.append(max(abs(ko[t] - oo[t]) for t in ko.keys() & oo.keys()))
+        if not best(k) & best(o):
+            flips.append((i, o[0][1] - max(oo.get(t, float("-inf")) for t in best(k))))
+    return 1 - len(flips) / len(kernel), flips, sorted(moves)
+
+
 def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(fixture_moet, tmp_path):
     """Greedy top-1 of the kernels equals the oracle's at every position except where the
     oracle rates the kernels' token less than DELTA below its own; agreement with the bf16 fixture
@@ -66,15 +78,8 @@ def test_kernels_agree_with_their_oracle_teacher_forced_on_test_text(fixture_moe
     assert "moet-kernels' torch reference in kernel mode on cuda:0" in runs["oracle"]["log"]
     kernel, oracle, bf16 = (runs[k]["prompt_logprobs"][0] for k in ("kernel", "oracle", "bf16"))
     assert len(kernel) == len(oracle) == len(prompt) - 1
-    flips, moves = [], []  # flips: (position, how far below its best the oracle rates the token)
-    for i, (k, o) in enumerate(zip(kernel, oracle)):
-        ko, oo = ({t: lp for t, lp, _ in pos} for pos in (k, o))
-        moves.append(max(abs(ko[t] - oo[t]) for t in ko.keys() & oo.keys()))
-        if not best(k) & best(o):
-            flips.append((i, o[0][1] - max(oo.get(t, float("-inf")) for t in best(k))))
-    agreement = 1 - len(flips) / len(kernel)
+    agreement, flips, moves = against_oracle(kernel, oracle)
     agree_bf16 = sum(bool(best(k) & best(b)) for k, b in zip(kernel, bf16)) / len(kernel)
-    moves.sort()
     print(
         f"{len(kernel)} positions of {keys[:120]}: kernel/oracle top-1 agreement {agreement:.4f} "
         f"({len(flips)} flips, oracle gaps {sorted(round(g, 4) for _, g in flips)}); "

@@ -144,5 +144,13 @@ def test_the_fp4_tier_rows_of_an_official_source_are_fp4r_and_shard_like_w2(tmp_
         up = np.concatenate([h[1] for h in halves], axis=1)
         assert np.array_equal(np.concatenate([gate, up], axis=1), whole[name])
     convert.convert(src, tmp_path / "moet", progress=False)
-    with pytest.raises(MoetVllmError, match="holds only W2 experts; serve the official"):
+    with pytest.raises(MoetVllmError, match="converted without .its fp4_tier is 'none'.: reconv"):
         ExpertSource.open(tmp_path / "moet", CFG).fp4_layer(0)
+    # converted with the refinement planes: the same rows, rebuilt exactly, whole and per rank
+    convert.convert(src, tmp_path / "moet-fp4r", convert.ConvertOptions(fp4_tier="fp4r"),
+                    progress=False)  # fmt: skip
+    for r, tp in ((0, 1), (0, 2), (1, 2)):
+        want = ExpertSource.open(src, CFG, tp_rank=r, tp_size=tp).fp4_layer(0)
+        got = ExpertSource.open(tmp_path / "moet-fp4r", CFG, tp_rank=r, tp_size=tp).fp4_layer(0)
+        assert want.keys() == got.keys()
+        assert all(np.array_equal(want[k], got[k]) for k in want)

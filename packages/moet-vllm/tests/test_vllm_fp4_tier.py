@@ -36,15 +36,15 @@ def test_a_pool_of_every_pair_serves_fp4r_experts_from_either_checkpoint(tmp_pat
 
 def test_a_quarter_pool_fills_and_swaps_by_heat(tmp_path):
     prompts = fixture_prompts(4)
-    env = fp4_env(tmp_path / "packs", "48", MOET_KPI_EVERY="4")
+    env = fp4_env(tmp_path / "packs", "48", MOET_KPI_EVERY="4", MOET_GATE="0")
     tiered = run_vllm(FIXTURE, tmp_path, "fp4-48", quantization="moet", extra=ONE_SEQ,
                       prompts=prompts, env=env)  # fmt: skip
     w2 = run_vllm(FIXTURE, tmp_path, "w2", quantization="moet", extra=ONE_SEQ, prompts=prompts,
                   env={"MOET_CACHE_DIR": str(tmp_path / "packs")})  # fmt: skip
     assert tiered["logprobs"] != w2["logprobs"]  # FP4 rows served
     lines = re.findall(
-        r"FP4 pool coverage ([\d.]+)% \(routed experts at FP4 ([\d.]+)%\), FP4 promotions "
-        r"([\d.]+) / evictions ([\d.]+) per step",
+        r"FP4 pool coverage ([\d.]+)% \(routed experts at FP4 ([\d.]+)%\), gate replay 0.0% of "
+        r"decode steps, FP4 promotions ([\d.]+) / evictions ([\d.]+) per step",
         tiered["log"],
     )
     assert lines, tiered["log"][-3000:]
