@@ -67,8 +67,11 @@ class Fp4Stack(Stack):
         return h
 
 
-def fp4_manager(stack: Fp4Stack, n_fp4: int, n_slots: int = 24, fp4_store=None, **gate):
-    fp4 = Fp4Pool(FP4, fp4_store or stack.fp4_store(), L, list(range(L)), E, n_fp4, "cpu")
+def fp4_manager(
+    stack: Fp4Stack, n_fp4: int, n_slots: int = 24, fp4_store=None, hot_path=None, **gate
+):
+    fp4 = Fp4Pool(FP4, fp4_store or stack.fp4_store(), L, list(range(L)), E, n_fp4, "cpu",
+                  hot_path=hot_path)  # fmt: skip
     return ResidencyManager(
         LAYOUT, list(range(L)), E, n_slots, stack.store(), reduce_max=lambda m: m, kpi_every=0,
         fp4=fp4, **gate,
@@ -180,3 +183,23 @@ def test_the_gate_is_tunable_at_runtime(tmp_path):
     mgr.tune.poll = lambda: {"gate": "0"}  # what `moet tune gate=0` brings (metrics.TuneWatcher)
     mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1, logits_of=logits_of)
     assert mgr.gate is False and mgr.fp4.tier.counters.gated_steps == 1
+
+
+def test_the_fp4_hot_set_persists_and_preloads_the_next_boot(tmp_path):
+    stack = Fp4Stack(7, tmp_path)
+    hot = tmp_path / "fp4.pool-hot.json"
+    mgr = fp4_manager(stack, 6, hot_path=hot)
+    for x, scan in steps(7, 20):
+        mgr.run_forward(lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=len(x))
+    mgr.save_hot_set()  # what every KPI line does
+    held = mgr.fp4.tier.resident.copy()
+    assert held.sum() == 6
+    again = fp4_manager(stack, 6, hot_path=hot)
+    assert again.fp4.load_hot_set() == 6  # activate() does this at boot
+    assert np.array_equal(again.fp4.tier.resident, held)
+    assert np.array_equal(again.fp4.table.numpy() >= 0, held)
+    x = torch.randn(2, H)  # and it serves those rows at FP4 from the first step
+    got = again.run_forward(lambda eager=False: stack.forward(x, again), scan=True, n_real=2)
+    assert torch.equal(got, stack.expected(x, held))
+    hot.write_text("{not json")
+    assert fp4_manager(stack, 6, hot_path=hot).fp4.load_hot_set() == 0  # corrupt: nothing

@@ -53,6 +53,7 @@ def start_residency(
         fp4 = Fp4Pool(
             session.fp4_layout, session.fp4_cache.open_store(cfg.host_tier, cfg.host_arena),
             n_moe_all, tiered, src.n_experts, fp4_pool_slots(cfg, n_tiered_keys), device,
+            hot_path=session.fp4_cache.hot_path(),
         )  # fmt: skip
     mgr = ResidencyManager(
         session.layout,

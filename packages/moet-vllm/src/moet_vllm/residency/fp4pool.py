@@ -9,7 +9,8 @@ the W2 pool, one slot per (MoE layer, expert) it holds, preferred over the W2 sl
   simulation (`moet eval-gate`) takes. Plans are applied only between forward passes: the
   evictions are published first, then the rows copied, then their slots published.
 
-A pool that holds every pair is filled at boot: there is nothing left to decide.
+A pool that holds every pair is filled at boot: there is nothing left to decide. Otherwise the hot
+set saved at the KPI lines of an earlier run (`<fp4r pack>.pool-hot.json`) preloads it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from .fp4tier import Fp4Tier, TierCounters
-from .manager import MoetResidencyError, fetch_rows
+from .manager import MoetResidencyError, fetch_rows, load_hot_set, save_hot_set
 from .policy import Plan, key_pairs
 
 log = logging.getLogger("vllm.moet")
@@ -37,10 +38,12 @@ class Fp4Pool:
         n_slots: int,
         device: torch.device,
         fetch_attempts: int = 3,
+        hot_path=None,
     ):
         self.layout, self.store, self.n_experts = layout, store, n_experts
         self.tiered = list(tiered)  # the MoE-layer ordinal of each tiered layer (the tier's keys)
         self.n_slots, self.fetch_attempts = n_slots, fetch_attempts
+        self.hot_path = hot_path  # the persisted hot set (next to the fp4r pack)
         self.tier = Fp4Tier(n_slots, len(self.tiered), n_experts)
         try:
             self.pool = torch.zeros(n_slots, layout.row_bytes, dtype=torch.uint8, device=device)
@@ -63,6 +66,20 @@ class Fp4Pool:
     def layer(self, ordinal: int) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(pool, slot-table row, layout) of one MoE layer: the op's FP4 tier."""
         return self.pool, self.table[ordinal], self.layout
+
+    def save_hot_set(self) -> None:
+        save_hot_set(self.hot_path, self.tier.policy)
+
+    def load_hot_set(self) -> int:
+        """Boot: the saved hot set into free slots (a full pool has none) -> rows loaded."""
+        keys = load_hot_set(self.hot_path, self.tier.policy)
+        if keys is None:
+            return 0
+        plan = self.tier.policy.plan_preload(keys)
+        self.apply(plan)
+        self.tier.counters = TierCounters()  # a warm start is no step's promotion
+        log.info("moet: FP4 pool warm start: %d rows preloaded", len(plan.fetch_keys))
+        return len(plan.fetch_keys)
 
     def gate(self, keys: np.ndarray) -> None:
         """The confidence gate fired: every pair the step's pass routed (`keys`) into the pool

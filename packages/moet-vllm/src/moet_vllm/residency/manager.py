@@ -638,32 +638,16 @@ class ResidencyManager:
     # -- warm starts --
 
     def save_hot_set(self) -> None:
-        """Persist the pool's hot set (flat policy keys, hottest first), atomically."""
-        if self.hot_path is None:
-            return
-        keys = self.policy.hot_keys().tolist()
-        tmp = self.hot_path.with_name(self.hot_path.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps({"version": 1, "n_keys": self.policy.n_keys, "keys": keys}))
-            os.replace(tmp, self.hot_path)
-        except OSError as e:  # a warm start is an optimisation: never fail a step for it
-            log.warning("moet: could not save the pool's hot set to %s: %s", self.hot_path, e)
+        """Persist the pool's hot set (and the FP4 pool's), atomically."""
+        save_hot_set(self.hot_path, self.policy)
+        if self.fp4 is not None:
+            self.fp4.save_hot_set()
 
     def load_hot_set(self) -> int:
         """Preload the persisted hot set into the pool (boot, before serving); -> rows loaded.
         A missing, foreign or corrupt file preloads nothing."""
-        if self.hot_path is None or not self.hot_path.is_file():
-            return 0
-        try:
-            saved = json.loads(self.hot_path.read_text())
-            keys = np.asarray(saved["keys"], dtype=np.int64)
-            if saved.get("n_keys") != self.policy.n_keys or keys.ndim != 1:
-                raise ValueError("a different model geometry")
-            keys = keys[(keys >= 0) & (keys < self.policy.n_keys)]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("moet: ignoring the saved hot set %s (%s)", self.hot_path, e)
-            return 0
-        return self.preload(keys)
+        keys = load_hot_set(self.hot_path, self.policy)
+        return 0 if keys is None else self.preload(keys)
 
     def _plan_and_apply(self, keys: np.ndarray, scan: bool) -> bool:
         """Fetch what the policy places; False when some keys have no room (a prefill chunk, or
@@ -739,6 +723,36 @@ class ResidencyManager:
             self.fp4.close()
 
 
+def save_hot_set(path: Path | None, policy: ResidencyPolicy) -> None:
+    """Persist `policy`'s hot set (flat keys, hottest first) to `path`, atomically; a failure is
+    a warning (a warm start is an optimisation: never fail a step for it)."""
+    if path is None:
+        return
+    keys = policy.hot_keys().tolist()
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(json.dumps({"version": 1, "n_keys": policy.n_keys, "keys": keys}))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("moet: could not save a pool's hot set to %s: %s", path, e)
+
+
+def load_hot_set(path: Path | None, policy: ResidencyPolicy) -> np.ndarray | None:
+    """The hot set saved at `path` for `policy`'s geometry (in-range keys), or None: a
+    missing, foreign or corrupt file (warned) gives nothing to preload."""
+    if path is None or not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        keys = np.asarray(saved["keys"], dtype=np.int64)
+        if saved.get("n_keys") != policy.n_keys or keys.ndim != 1:
+            raise ValueError("a different model geometry")
+        return keys[(keys >= 0) & (keys < policy.n_keys)]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("moet: ignoring the saved hot set %s (%s)", path, e)
+        return None
+
+
 def fetch_rows(store, pool, row_bytes, keys, slots, attempts: int, what: str = "", failed=None):
     """Read `keys` (ordinal, expert) from `store` and copy each row's first `row_bytes` into
     `pool[slot]`, in one batch, tried up to `attempts` times (`failed()` after each failed try),
@@ -784,6 +798,8 @@ def activate(manager: ResidencyManager) -> None:
     global _active
     _active = manager
     loaded = manager.load_hot_set()
+    if manager.fp4 is not None:
+        manager.fp4.load_hot_set()
     log.info(
         "moet: tiered residency: %d expert slots for %d MoE layers x %d experts (pool coverage "
         "%.1f%%, %.1f MB), %d pinned (MTP), host tier %s; warm start: %d experts preloaded%s",
