@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from moet_kernels.reference import fp4_dequant, w2_dequant
+from moet_kernels.reference import tier_dequant
 from moet_quant.checkpoint import dense_projections
 from moet_vllm.config import resolve
 from moet_vllm.experts import ExpertSource
@@ -153,8 +153,8 @@ def hf_reference_tokens(
     tier: str = "w2",
 ) -> list[list[int]]:
     """transformers (float32) running `model_dir` (an unquantized checkpoint) with every routed
-    expert replaced by the W2 dequantization of `experts_dir`'s experts (`tier="fp4r"`: by its
-    FP4 tier's rows, `ExpertSource.fp4_layer`) and, with `dense_dir`,
+    expert replaced by the W2 dequantization of `experts_dir`'s experts (`tier` "fp4r" or
+    "fp4x": by its FP4 tier's rows, `ExpertSource.fp4_layer`) and, with `dense_dir`,
     every quantized dense projection of `dense_dir` by its exact dequantization; greedy tokens of
     `prompts` (default: the driver's PROMPTS)."""
     from transformers import AutoModelForCausalLM
@@ -163,7 +163,8 @@ def hf_reference_tokens(
     prompts = PROMPTS if prompts is None else prompts
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    src = ExpertSource.open(experts_dir, resolve(None, None, {}))
+    fp4 = {} if tier == "w2" else {"MOET_FP4_TIER": tier}
+    src = ExpertSource.open(experts_dir, resolve(None, None, fp4))
     params = dict(m.named_parameters())
     dense = dense_projections(dense_dir) if dense_dir else {}
     with torch.no_grad():
@@ -172,12 +173,17 @@ def hf_reference_tokens(
         for layer in src.moe_layers:
             if layer >= len(m.model.layers):  # an MTP layer: transformers has none
                 continue
-            rows = src.fp4_layer(layer) if tier == "fp4r" else src.layer(layer)
+            rows = src.layer(layer) if tier == "w2" else src.fp4_layer(layer)
             s = {k: torch.from_numpy(v) for k, v in rows.items()}
-            dequant = fp4_dequant if tier == "fp4r" else w2_dequant
+
+            kind = "w2" if tier == "w2" else src.fp4_kind
+            w13, w2_ = (
+                tier_dequant(kind, *(s[f"{p}_{k}"] for k in PARTS if f"{p}_{k}" in s))
+                for p in ("w13", "w2")
+            )
             experts = m.model.layers[layer].mlp.experts
-            experts.gate_up_proj.copy_(dequant(s["w13_codes"], s["w13_scales"]))
-            experts.down_proj.copy_(dequant(s["w2_codes"], s["w2_scales"]))
+            experts.gate_up_proj.copy_(w13)
+            experts.down_proj.copy_(w2_)
     src.close()
     out = []
     for p in prompts:
@@ -187,6 +193,9 @@ def hf_reference_tokens(
         )
         out.append(gen[0, len(p) :].tolist())
     return out
+
+
+PARTS = ("codes", "scales", "scale_2")  # a row's sections per projection, in tier_dequant's order
 
 
 # how `Server` runs vLLM: on CPU float32 and eager; on a GPU bfloat16 with vLLM's default

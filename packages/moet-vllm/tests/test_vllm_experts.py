@@ -154,3 +154,45 @@ def test_the_fp4_tier_rows_of_an_official_source_are_fp4r_and_shard_like_w2(tmp_
         got = ExpertSource.open(tmp_path / "moet-fp4r", CFG, tp_rank=r, tp_size=tp).fp4_layer(0)
         assert want.keys() == got.keys()
         assert all(np.array_equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("family, fmt", [("qwen3-moe", "nvfp4"), ("gpt-oss", "mxfp4")])
+def test_fp4x_rows_are_the_checkpoint_own_fp4_data_byte_for_byte(tmp_path, family, fmt):
+    """fp4_tier=fp4x: the FP4 rows of an NVFP4 or MXFP4 checkpoint (gpt-oss: fused [E, K, 2N]
+    experts) are its own nibbles and scales (and NVFP4's global scales), verbatim, from the
+    official checkpoint and from its `moet convert --fp4-tier fp4x` alike; they pack into the
+    tier's logical and kernel-native rows and back unchanged."""
+    import torch
+
+    from moet_kernels.layout import NativeRowLayout, RowLayout
+
+    src = synth.write_checkpoint(tmp_path / "src", family, fmt, n_layers=2, n_experts=4,
+                                 hidden=128, inter=64)  # fmt: skip
+    convert.convert(src, tmp_path / "moet", convert.ConvertOptions(fp4_tier="fp4x"),
+                    progress=False)  # fmt: skip
+    cfg = resolve(None, None, {"MOET_FP4_TIER": "fp4x"})
+    official, moet = ExpertSource.open(src, cfg), ExpertSource.open(tmp_path / "moet", cfg)
+    assert official.fp4_kind == moet.fp4_kind == f"fp4x-{fmt}"
+    by_key = {(s.key.layer, s.key.expert, s.key.proj): s for s in official.ck.sources}
+    for layer in official.moe_layers:
+        rows, again = official.fp4_layer(layer), moet.fp4_layer(layer)
+        assert rows.keys() == again.keys()
+        assert all(np.array_equal(rows[k], again[k]) for k in rows)
+        for e in range(4):
+            down, gate = by_key[(layer, e, "down")].fp4x(), by_key[(layer, e, "gate")].fp4x()
+            assert rows["w2_codes"][e].tobytes() == np.asarray(down["codes"]).tobytes()
+            assert rows["w2_scales"][e].tobytes() == np.asarray(down["scales"]).tobytes()
+            assert rows["w13_codes"][e][:64].tobytes() == np.asarray(gate["codes"]).tobytes()
+            if fmt == "nvfp4":
+                assert np.all(rows["w2_scale_2"][e] == np.float32(down["scale_2"]))
+        logical = RowLayout(128, 64, official.fp4_kind)
+        packed = logical.unpack(logical.pack(**rows))
+        assert all(np.array_equal(packed[k], rows[k]) for k in rows)
+        native = NativeRowLayout(128, 64, official.fp4_kind)
+        tensors = {k: torch.from_numpy(v) for k, v in rows.items()}
+        back = native.views(native.pack(**tensors)[1])
+        assert all(np.array_equal(np.asarray(back[k]), rows[k][1]) for k in rows)
+    with pytest.raises(MoetVllmError, match=r"has none \(experts: bf16\); use fp4_tier='fp4r'"):
+        bf16 = synth.write_checkpoint(tmp_path / "bf16", "qwen3-moe", "bf16", n_layers=1,
+                                      n_experts=4, hidden=128, inter=64)  # fmt: skip
+        _ = ExpertSource.open(bf16, cfg).fp4_kind

@@ -53,12 +53,12 @@ def test_a_quarter_pool_fills_and_swaps_by_heat(tmp_path):
     assert sum(float(p) for _, _, p, _ in lines) > 0 and sum(float(e) for *_, e in lines) > 0
 
 
-def test_fp4x_is_refused_until_it_is_served(tmp_path):
+def test_fp4x_needs_a_checkpoint_with_its_own_fp4_data(tmp_path):
     r = run_vllm(FIXTURE, tmp_path, "fp4x", quantization="moet", check=False,
                  env={"MOET_FP4_TIER": "fp4x", "MOET_CACHE_DIR": str(tmp_path / "p")})  # fmt: skip
     assert r["returncode"] != 0
-    assert "fp4_tier='fp4x'" in r["log"] and "not served yet" in r["log"]
-    assert "Traceback" not in r["log"].split("fp4_tier='fp4x'")[-1][:200]
+    assert "fp4_tier='fp4x' serves the checkpoint's own NVFP4 or MXFP4 expert data" in r["log"]
+    assert "(experts: bf16); use fp4_tier='fp4r'" in r["log"]
 
 
 def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_path):

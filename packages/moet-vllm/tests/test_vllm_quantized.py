@@ -102,3 +102,52 @@ def test_modelopt_export_serves_and_agrees_with_its_moet_conversion(root, fmt, t
     converted = run_vllm(moet, tmp_path, f"{fmt}-moet", env=env)
     assert "from a moet checkpoint" in converted["log"]
     assert converted["tokens"] == served["tokens"]  # the same source weights, the same tokens
+
+
+def test_fp4x_serves_the_nvfp4_export_own_experts_byte_for_byte(root, tmp_path):
+    """fp4_tier=fp4x on modelopt's NVFP4 export: the FP4 rows are the export's own nibbles, e4m3
+    scales and global scales, byte for byte (in the pack the pool reads too); with every pair in
+    the pool (gate off) the served tokens are transformers' with the export's own NVFP4 experts,
+    and the export converted with --fp4-tier fp4x serves the same."""
+    import numpy as np
+
+    from moet_kernels.layout import RowLayout
+    from moet_quant.safetensors_io import ShardedSafetensors
+    from moet_vllm.config import resolve
+    from moet_vllm.experts import ExpertSource
+    from moet_vllm.packcache import ExpertPackCache
+
+    export = mx.quantize_and_export("nvfp4", root / "modelopt-nvfp4-fp4x")
+    original = root / "modelopt-nvfp4-fp4x-bf16"
+    mx.build_model(mx.HIDDEN, mx.MOE_INTER).save_pretrained(original)
+    cfg = resolve(None, None, {"MOET_FP4_TIER": "fp4x", "MOET_CACHE_DIR": str(tmp_path / "cache")})
+    src = ExpertSource.open(export, cfg)
+    assert src.fp4_kind == "fp4x-nvfp4"
+    st = ShardedSafetensors(export)
+    layer = src.moe_layers[0]
+    rows = src.fp4_layer(layer)
+    names = [n for n in st.names() if f"layers.{layer}.mlp.experts.3.down_proj." in n]
+    raw = {n.rsplit(".", 1)[1]: np.asarray(st.array(n)) for n in names}
+    assert np.array_equal(rows["w2_codes"][3], raw["weight"])
+    assert np.array_equal(rows["w2_scales"][3], raw["weight_scale"].view(np.uint8))
+    assert np.all(rows["w2_scale_2"][3] == np.float32(raw["weight_scale_2"]))
+
+    env = {"MOET_FP4_TIER": "fp4x", "MOET_FP4_POOL": "100%", "MOET_GATE": "0",
+           "MOET_CACHE_DIR": str(tmp_path / "cache")}  # fmt: skip
+    served = run_vllm(export, tmp_path, "fp4x", "moet", env)
+    assert "FP4 tier fp4x (fp4_pool='100%')" in served["log"]
+    assert served["tokens"] == hf_reference_tokens(original, export, dense_dir=export, tier="fp4x")
+    assert served["tokens"] != hf_reference_tokens(original, export, dense_dir=export)  # not W2
+    layout = RowLayout(src.hidden, src.inter, "fp4x-nvfp4")  # the pack the FP4 pool read
+    cache = ExpertPackCache(cfg, src.ckpt_id, layout,
+                            len(src.moe_layers), src.n_experts)  # fmt: skip
+    packed = layout.unpack(cache.read_rows(0))
+    assert all(np.array_equal(packed[k], rows[k]) for k in rows)
+    cache.close()
+
+    moet = convert.convert(export, tmp_path / "moet-fp4x", convert.ConvertOptions(fp4_tier="fp4x"),
+                           progress=False).out  # fmt: skip
+    converted = run_vllm(
+        moet, tmp_path, "fp4x-moet", env={**env, "MOET_CACHE_DIR": str(tmp_path / "m")}
+    )
+    assert converted["tokens"] == served["tokens"]

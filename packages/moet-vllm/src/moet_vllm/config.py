@@ -87,9 +87,8 @@ class MoetConfig:
 
     @property
     def serves_fp4(self) -> bool:
-        """An FP4 tier is served: fp4r rows (a checkpoint's fp4x data is not served yet, and
-        boots without the tier) in a pool of at least one slot."""
-        return self.fp4_tier == "fp4r" and self.fp4_pool not in ("0",)
+        """An FP4 tier is served: fp4r or fp4x rows in a pool of at least one slot."""
+        return self.fp4_tier != "none" and self.fp4_pool != "0"
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -147,7 +146,6 @@ def coerce_runtime(values: Mapping[str, Any], origin: str) -> dict:
     return out
 
 
-CHECKPOINT_ORIGIN = "checkpoint quantization_config"
 CHECKPOINT_FIELDS = USER_FIELDS + (
     "format",
     "modules_not_converted",
@@ -289,7 +287,7 @@ def resolve(
             checkpoint_qc,
             CHECKPOINT_FIELDS,
             CHECKPOINT_ONLY_KEYS,
-            CHECKPOINT_ORIGIN,
+            "checkpoint quantization_config",
         )
     moet_extra = (additional_config or {}).get("moet")
     if moet_extra is not None:
@@ -337,12 +335,6 @@ def _check_combinations(cfg: MoetConfig) -> None:
             f"{where('miss_tolerance', 'config')}: miss_tolerance={cfg.miss_tolerance} skips "
             "replays, which only miss_mode='approximate' allows (strict never serves zeroed "
             "experts); set miss_mode='approximate' too, or miss_tolerance=0"
-        )
-    if cfg.fp4_tier == "fp4x" and where("fp4_tier") != CHECKPOINT_ORIGIN:
-        raise MoetConfigError(
-            f"{where('fp4_tier', 'config')}: fp4_tier='fp4x' (the checkpoint's own NVFP4/MXFP4 "
-            "data) is written by `moet convert` but not served yet; serve with fp4_tier='fp4r' "
-            "(re-quantized FP4) or 'none'"
         )
     if cfg.serves_fp4 and not cfg.pack_cache:
         raise MoetConfigError(

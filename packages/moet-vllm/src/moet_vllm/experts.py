@@ -89,6 +89,31 @@ def stack_sections(per_expert: list[dict[str, w2.W2Tensor]]) -> dict[str, np.nda
     }
 
 
+def fp4x_sections(per_expert: list[dict[str, dict]]) -> dict[str, np.ndarray]:
+    """[{gate, up, down}: {"codes", "scales"[, "scale_2"]} per expert] (the checkpoint's own FP4
+    data, moet_quant's `fp4x()`) -> the fp4x tier's RowLayout sections [E, ...]: codes and scale
+    bytes as stored, NVFP4's global scale_2 as one float32 per output row."""
+
+    def part(x: dict, key: str) -> np.ndarray:
+        a = np.asarray(x[key])
+        if key == "scale_2":  # per tensor (a scalar) or per row
+            n = x["codes"].shape[0]
+            return np.broadcast_to(a.astype(np.float32).reshape(-1), (n,)).copy()
+        return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+    def cat(projs: tuple[str, ...], key: str) -> np.ndarray:
+        return np.ascontiguousarray(np.stack(
+            [np.concatenate([part(p[proj], key) for proj in projs]) for p in per_expert]
+        ))  # fmt: skip
+
+    keys = ("codes", "scales") + (("scale_2",) if "scale_2" in per_expert[0]["gate"] else ())
+    out = {}
+    for k in keys:
+        out[f"w13_{k}"] = cat(("gate", "up"), k)
+        out[f"w2_{k}"] = cat(("down",), k)
+    return out
+
+
 class ExpertSource(ABC):
     """Where a model's routed experts come from; see the module doc."""
 
@@ -141,9 +166,31 @@ class ExpertSource(ABC):
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:
         """The RowLayout sections [E, ...] of one MoE layer (by the model's layer index)."""
 
+    fp4x_format: str | None = None  # the experts' own FP4 format, where fp4x can serve it
+
+    @property
+    def fp4_kind(self) -> str:
+        """The FP4 tier's rows this source serves for `cfg.fp4_tier` (a moet_kernels.layout
+        tier): `fp4r`, or `fp4x-nvfp4` / `fp4x-mxfp4`, the checkpoint's own FP4 format."""
+        if self.cfg.fp4_tier != "fp4x":
+            return "fp4r"
+        if self.fp4x_format not in ("nvfp4", "mxfp4"):
+            raise MoetVllmError(
+                f"{self.path}: fp4_tier='fp4x' serves the checkpoint's own NVFP4 or MXFP4 expert "
+                f"data, and this {self.kind} has none (experts: {self.source_format}); use "
+                "fp4_tier='fp4r' (or convert the NVFP4/MXFP4 checkpoint with --fp4-tier fp4x)"
+            )
+        if self.tp_size > 1:
+            raise MoetVllmError(
+                f"{self.path}: fp4_tier='fp4x' is not served with tensor parallelism yet "
+                f"(tp_size {self.tp_size}); use fp4_tier='fp4r', or a single GPU"
+            )
+        return f"fp4x-{self.fp4x_format}"
+
     def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
-        """The `fp4r` RowLayout sections [E, ...] of one MoE layer: the FP4 tier's rows (e2m1
-        nibbles on the W2 reference block scales, moet_quant.fp4.fp4r), sharded as `layer`'s."""
+        """The FP4 tier's RowLayout sections [E, ...] of one MoE layer (`fp4_kind`): fp4r
+        (e2m1 nibbles on the W2 reference block scales, moet_quant.fp4.fp4r), sharded as
+        `layer`'s; or fp4x, the checkpoint's own nibbles and scales, verbatim."""
         raise MoetVllmError(
             f"{self.path}: fp4_tier='fp4r' re-quantizes the experts from the official "
             f"checkpoint, and this source ({self.kind}) holds only W2 experts; serve the "
@@ -167,7 +214,7 @@ class OfficialSource(ExpertSource):
         self.n_experts, self.hidden = info.n_experts, info.hidden_size
         self.inter, self.moe_layers = info.moe_intermediate_size, info.moe_layers
         self.ckpt_id = info.ckpt_id
-        self.source_format = info.source_format
+        self.source_format = self.fp4x_format = info.source_format
         self._by_layer: dict[int, dict[tuple[int, str], object]] = {}
         for s in self.ck.sources:
             self._by_layer.setdefault(s.key.layer, {})[(s.key.expert, s.key.proj)] = s
@@ -179,19 +226,30 @@ class OfficialSource(ExpertSource):
         return self._sections(model_layer, quantize)
 
     def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        if self.fp4_kind != "fp4r":  # the checkpoint's own FP4 data, verbatim
+            srcs = self._layer_sources(model_layer)
+            return fp4x_sections([
+                {proj: srcs[(e, proj)].fp4x() for proj in PROJECTIONS}
+                for e in range(self.n_experts)
+            ])  # fmt: skip
+
         def quantize(s) -> w2.W2Tensor:  # the nibbles, packed two a byte, on the W2 scales
             base, nibbles = fp4.fp4r(s.load(), self.cfg.zero_mode, name=s.name)
             return w2.W2Tensor(fp4.pack_nibbles(nibbles), base.scales)
 
         return self._sections(model_layer, quantize)
 
-    def _sections(self, model_layer: int, quantize) -> dict[str, np.ndarray]:
+    def _layer_sources(self, model_layer: int) -> dict:
         srcs = self._by_layer.get(model_layer)
         if srcs is None:
             raise MoetVllmError(
                 f"{self.path}: layer {model_layer} has no routed experts "
                 f"(MoE layers: {self.moe_layers})"
             )
+        return srcs
+
+    def _sections(self, model_layer: int, quantize) -> dict[str, np.ndarray]:
+        srcs = self._layer_sources(model_layer)
         per_expert = []
         for e in range(self.n_experts):
             q = {}
@@ -217,7 +275,10 @@ class MoetCheckpointSource(ExpertSource):
         self.st = ShardedSafetensors(path)
         self.ckpt_id = ckpt_id(checkpoint_identity(path))
         self.source_format = "moet"
-        self.qc_fp4_tier = (read_config(path).get("quantization_config") or {}).get("fp4_tier")
+        qc = read_config(path).get("quantization_config") or {}
+        self.qc_fp4_tier = qc.get("fp4_tier")
+        if self.qc_fp4_tier == "fp4x":  # converted with the source's own FP4 data
+            self.fp4x_format = qc.get("source_format")
         self._names: dict[int, dict[tuple[int, str], str]] = {}
         for name in self.st.names():
             key, suffix, info = classify(name)  # the expert naming of moet-quant's readers
@@ -238,6 +299,14 @@ class MoetCheckpointSource(ExpertSource):
         return self._sections(model_layer, lambda base, codes: codes)
 
     def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
+        if self.fp4_kind != "fp4r":  # the `.fp4_*` tensors `moet convert --fp4-tier fp4x` kept
+            names = self._layer_names(model_layer)
+            parts = ("codes", "scales") + (("scale_2",) if self.fp4_kind == "fp4x-nvfp4" else ())
+            return fp4x_sections([
+                {proj: {k: self.st.array(names[(e, proj)] + f".fp4_{k}") for k in parts}
+                 for proj in PROJECTIONS}
+                for e in range(self.n_experts)
+            ])  # fmt: skip
         if self.qc_fp4_tier != "fp4r":
             raise MoetVllmError(
                 f"{self.path}: fp4_tier='fp4r' serves the refinement planes of a moet checkpoint "
@@ -252,15 +321,19 @@ class MoetCheckpointSource(ExpertSource):
 
         return self._sections(model_layer, nibbles)
 
-    def _sections(self, model_layer: int, codes_of) -> dict[str, np.ndarray]:
-        """The layer's sections with each projection's codes as `codes_of(base name, W2
-        codes)` gives them (on the W2 scales)."""
+    def _layer_names(self, model_layer: int) -> dict[tuple[int, str], str]:
         names = self._names.get(model_layer)
         if names is None:
             raise MoetVllmError(
                 f"{self.path}: layer {model_layer} has no W2 experts "
                 f"(MoE layers: {self.moe_layers})"
             )
+        return names
+
+    def _sections(self, model_layer: int, codes_of) -> dict[str, np.ndarray]:
+        """The layer's sections with each projection's codes as `codes_of(base name, W2
+        codes)` gives them (on the W2 scales)."""
+        names = self._layer_names(model_layer)
         expect = {
             "gate": (self.inter, self.hidden),
             "up": (self.inter, self.hidden),

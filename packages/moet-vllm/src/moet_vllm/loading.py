@@ -6,7 +6,8 @@ each MoE layer its experts as rows in the layout its compute path reads (`row_la
 kernels' native layout on a GPU with moet-kernels, the logical layout for the torch reference.
 Rows of the native layout are packed on the layer's device (`pack_native`), which is what makes
 a moet checkpoint's logical tensors servable by the kernels at load. With an FP4 tier
-(`MoetConfig.serves_fp4`) each layer's `fp4r` rows reach a pack of their own beside the W2 one
+(`MoetConfig.serves_fp4`) each layer's FP4 rows (`ExpertSource.fp4_kind`: fp4r, or the
+checkpoint's own NVFP4/MXFP4 data) reach a pack of their own beside the W2 one
 (`fp4_cache`), which the FP4 pool reads (residency/fp4pool.py).
 """
 
@@ -57,7 +58,9 @@ class MoetLoadSession:
             )  # fmt: skip
 
         self.cache = cache(self.layout)
-        self.fp4_layout = self.source.row_layout(native, "fp4r") if cfg.serves_fp4 else None
+        self.fp4_layout = (
+            self.source.row_layout(native, self.source.fp4_kind) if cfg.serves_fp4 else None
+        )
         self.fp4_cache = cache(self.fp4_layout) if self.fp4_layout is not None else None
         self.pending = set(self.source.moe_layers)
         self.from_pack = self.quantized = 0

@@ -218,7 +218,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
             if self.compute == "kernel":
                 extra = {}
                 if t.fp4 is not None:
-                    extra.update(fp4_pool=t.fp4[0], fp4_slot_table=t.fp4[1], fp4_tier="fp4r")
+                    pool, table, layout = t.fp4
+                    extra.update(fp4_pool=pool, fp4_slot_table=table, fp4_tier=layout.tier.name)
                 if t.host is not None:  # reading in place
                     extra.update(host_pool=t.host[0], host_slot_table=t.host[1])
                 pool, table, _ = t.device
@@ -395,8 +396,6 @@ class MoetQuantConfig(QuantizationConfig):
                 + (
                     f"; FP4 tier {cfg.fp4_tier} (fp4_pool={cfg.fp4_pool!r})"
                     if cfg.serves_fp4
-                    else "; the checkpoint's fp4x rows are not served yet (W2 only)"
-                    if cfg.fp4_tier == "fp4x"
                     else ""
                 ),
             )

@@ -37,7 +37,7 @@ def start_residency(
         n_slots = 1  # and the staging area serve vLLM's profiling passes (streamed)
     else:
         n_slots = pool_slots(cfg, n_tiered_keys) or n_tiered_keys
-        if n_slots < floor and not cfg.below_floor_ok:
+        if n_slots < min(floor, n_tiered_keys) and not cfg.below_floor_ok:  # all: never below
             raise MoetResidencyError(
                 f"moet: gpu_pool={cfg.gpu_pool!r} gives {n_slots} expert slots, below the "
                 f"boot floor of {floor} (1.15 x {n_moe} MoE layers x top-{top_k} x "
