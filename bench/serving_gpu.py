@@ -72,6 +72,11 @@ each batch reports the tier's counters over the timed generates (replay % of ste
 and `summarize` sets them against moet's all-resident run of the same shape and routing and
 against a pinned host-to-device copy of the same run (`copy-bandwidth`). `--routing concentrated`
 runs GLM-5.2's synthetic-trace profile on the shape (serving_gpu_engine.py).
+The FP4 tier (`--fp4 POOL[/gate=TAU]`, moet only): the source's synthetic fp4r rows in an FP4 pool
+of POOL beside the W2 one, the gate at a margin of TAU nats; synthetic weights have no meaningful
+confidence, so the gate's cost is bracketed: TAU 0 never replays, 1e9 replays every decode step
+(a rate r in between costs about 1 / ((1 - r) / tok_s(0) + r / tok_s(1e9))). Each variant is set
+against moet's all-resident run without the tier, with the gate replay % of its decode steps.
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -233,10 +239,38 @@ def engine_env(args) -> None:
     if args.engine == "moet":
         # every expert resident: nothing to cache; tiered: the synthetic experts reach the pool
         # through packs of this run (MOET_CACHE_DIR, set in `run`)
-        os.environ["MOET_PACK_CACHE"] = "0" if args.gpu_pool == "all" else "1"
+        os.environ["MOET_PACK_CACHE"] = "0" if not tiered(args) else "1"
         os.environ["MOET_GPU_POOL"] = args.gpu_pool
+        fp4 = fp4_variant(args.fp4)
+        if fp4:  # the FP4 tier (fp4r rows of the synthetic source), the gate at margin tau
+            os.environ["MOET_FP4_TIER"] = "fp4r"
+            os.environ["MOET_FP4_POOL"] = fp4["pool"]
+            os.environ["MOET_GATE_TAU"] = str(fp4["gate_tau"])
         if args.moet_compute:
             os.environ["MOET_COMPUTE"] = args.moet_compute
+
+
+def fp4_variant(text: str) -> dict | None:
+    """`--fp4` variant: "off", or POOL[/gate=TAU] (the FP4 pool's MOET_FP4_POOL; the gate's
+    margin threshold in nats, 0 by default: never; 1e9: every decode step replays)."""
+    if text == "off":
+        return None
+    pool, _, gate = text.partition("/")
+    tau = 0.0
+    if gate:
+        key, _, value = gate.partition("=")
+        try:
+            tau = float(value) if key == "gate" else -1.0
+        except ValueError:
+            tau = -1.0
+        if not tau >= 0:
+            raise SystemExit(f"--fp4 {text}: expected off or POOL[/gate=TAU] (TAU >= 0, nats)")
+    return {"pool": pool, "gate_tau": tau}
+
+
+def tiered(args) -> bool:
+    """The engine's experts reach the pool through packs: a partial pool, or an FP4 tier."""
+    return args.gpu_pool != "all" or fp4_variant(args.fp4) is not None
 
 
 def d_per_step(ids_by_seq: list, positions: range) -> list[int]:
@@ -273,8 +307,8 @@ def run(args) -> Path:
             )
         cfg["num_hidden_layers"] = args.layers
     geo = geometry(cfg)
-    if args.gpu_pool != "all" and args.engine != "moet":
-        raise SystemExit(f"--gpu-pool {args.gpu_pool}: a moet setting (engine moet)")
+    if tiered(args) and args.engine != "moet":
+        raise SystemExit(f"--gpu-pool / --fp4 {args.gpu_pool} / {args.fp4}: moet settings")
     prov = provenance([sys.executable, *sys.argv])
     engine_env(args)
     import vllm
@@ -299,7 +333,7 @@ def run(args) -> Path:
     # serving_gpu_engine registers its synthetic expert source under the loader's name
     source = {"name": LOAD_FORMAT, "seed": args.seed}
     model_dir = make_model_dir(cfg, args.engine, work, source)
-    if args.gpu_pool != "all":
+    if tiered(args):
         os.environ["MOET_CACHE_DIR"] = str(work / "cache")
     kwargs = dict(
         model=str(model_dir),
@@ -548,6 +582,9 @@ def tier_kpis(before: dict | None, after: dict | None) -> dict | None:
         "fetch_gb_s": diff["fetched_bytes"] / diff["fetch_seconds"] / 1e9
         if diff["fetch_seconds"]
         else None,
+        "gate_pct": 100 * diff["fp4_gated_steps"] / diff["fp4_steps"]
+        if diff.get("fp4_steps")
+        else None,
         "counters": diff,
     }
 
@@ -598,7 +635,8 @@ def write_run(args, body: dict, prov: dict) -> Path:
     shape = shape_name(args)
     tag = f"{body['engine']}-{shape}-{args.routing}" + (
         f"-pool{args.gpu_pool.replace('%', 'pct')}" if args.gpu_pool != "all" else ""
-    )
+    ) + (f"-fp4-{re.sub(r'[^0-9A-Za-z.]+', '-', args.fp4.replace('%', 'pct'))}"
+         if args.fp4 != "off" else "")  # fmt: skip
     body = {
         "bench": "serving_gpu",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -606,6 +644,7 @@ def write_run(args, body: dict, prov: dict) -> Path:
         "shape_config": portable_arg(str(shape_path(args.shape).resolve())),
         "routing": args.routing,
         "gpu_pool": args.gpu_pool,
+        "fp4": args.fp4,
         "prompt_tokens": args.prompt_tokens,
         "generated_tokens": args.gen_tokens,
         "batches": args.batches,
@@ -643,9 +682,12 @@ def compare(args) -> int:
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown:
         raise SystemExit(f"unknown engine(s) {', '.join(unknown)}: of {', '.join(ENGINES)}")
-    pools = args.gpu_pool.split(",")  # one moet engine per pool, one after another
-    if pools != ["all"] and set(engines) != {"moet"}:
-        raise SystemExit(f"--gpu-pool {args.gpu_pool}: a moet setting (engine moet)")
+    pools = args.gpu_pool.split(",")  # one moet engine per pool and FP4 variant, in turn
+    variants = args.fp4.split(",")
+    for v in variants:
+        fp4_variant(v)  # refused here, not after the first engines ran
+    if (pools != ["all"] or variants != ["off"]) and set(engines) != {"moet"}:
+        raise SystemExit(f"--gpu-pool / --fp4 {args.gpu_pool} / {args.fp4}: moet settings")
     common = ["--shape", args.shape, "--out", args.out, "--routing", args.routing,
               "--prompt-tokens", str(args.prompt_tokens),
               "--gen-tokens", str(args.gen_tokens), "--repeats", str(args.repeats),
@@ -667,13 +709,14 @@ def compare(args) -> int:
     failed = []
     if has_cuda():
         subprocess.run([sys.executable, __file__, "copy-bandwidth", "--out", args.out])
-    for eng, pool in ((e, p) for e in engines for p in pools):
+    for eng, pool, fp4 in ((e, p, v) for e in engines for p in pools for v in variants):
         wait_gpu_idle()
-        cmd = [sys.executable, __file__, "run", "--engine", eng, "--gpu-pool", pool, *common]
+        cmd = [sys.executable, __file__, "run", "--engine", eng, "--gpu-pool", pool,
+               "--fp4", fp4, *common]  # fmt: skip
         print(f"== {eng}: {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd).returncode
         if rc:
-            failed.append(f"{eng} (pool {pool})")
+            failed.append(f"{eng} (pool {pool}, fp4 {fp4})")
             print(f"== {eng}: failed (exit {rc})", flush=True)
     summarize(argparse.Namespace(dir=args.out))
     return 1 if failed else 0
@@ -754,7 +797,7 @@ def summarize(args) -> Path:
     bw, h2d = copies.get("bytes_per_s"), copies.get("pinned_h2d_bytes_per_s")
     groups: dict[tuple, list] = {}
     for j in runs:
-        groups.setdefault((j["shape"], j["routing"], j["gpu_pool"]), []).append(j)
+        groups.setdefault((j["shape"], j["routing"], pool_label(j)), []).append(j)
     tables, md = [], []
     for (shape, routing, pool), js in sorted(groups.items()):
         ran = [j for j in js if "results" in j]
@@ -839,16 +882,22 @@ def summarize(args) -> Path:
 TIERED_TARGET = (0.8, 20.0)  # design.md: >= 0.8x all-resident where <= 20% of steps replay
 
 
+def pool_label(j: dict) -> str:
+    """A run's residency variant: its gpu_pool, and its --fp4 variant unless off."""
+    fp4 = j.get("fp4", "off")
+    return j["gpu_pool"] + ("" if fp4 == "off" else f", fp4 {fp4}")
+
+
 def tiered_table(runs: list, h2d: float | None, md: list) -> list:
     """moet's tiered runs against its all-resident run of the same shape and routing, per batch:
     coverage, tok/s and the ratio, replay % of steps, read-in-place % of steps, fetch GB/s (and
     its share of a pinned H2D copy); appended to `md`. design.md's target applies where at most
     20% of steps missed: replayed, or (reading in place) read experts from host memory."""
     resident = {(j["shape"], j["routing"]): j for j in runs
-                if j["engine"] == "moet" and j["gpu_pool"] == "all" and "results" in j}  # fmt: skip
+                if j["engine"] == "moet" and pool_label(j) == "all" and "results" in j}  # fmt: skip
     rows = []
     for j in runs:
-        if j["engine"] != "moet" or j["gpu_pool"] == "all" or "results" not in j:
+        if j["engine"] != "moet" or pool_label(j) == "all" or "results" not in j:
             continue
         base = resident.get((j["shape"], j["routing"]))
         for r in j["results"]:
@@ -858,21 +907,24 @@ def tiered_table(runs: list, h2d: float | None, md: list) -> list:
             replay = tier.get("replay_pct")
             missed = None if replay is None else max(replay, tier.get("host_read_pct") or 0.0)
             rows.append({
-                "shape": j["shape"], "routing": j["routing"], "gpu_pool": j["gpu_pool"],
+                "shape": j["shape"], "routing": j["routing"], "gpu_pool": pool_label(j),
+                "gate_pct": tier.get("gate_pct"),
                 "batch": r["batch"], "coverage": tier.get("coverage"), "tok_s": r["tok_s"],
                 "vs_all_resident": ratio, "replay_pct": replay,
                 "host_read_pct": tier.get("host_read_pct"), "fetch_gb_s": tier.get("fetch_gb_s"),
                 "fetch_share_of_h2d": tier["fetch_gb_s"] * 1e9 / h2d
                 if h2d and tier.get("fetch_gb_s") else None,
-                "design_target_met": None
+                "design_target_met": None  # (not a target of the FP4 tier's runs)
                 if missed is None or missed > TIERED_TARGET[1] or ratio is None
+                or j.get("fp4", "off") != "off"
                 else ratio >= TIERED_TARGET[0],
             })  # fmt: skip
     if rows:
         md.append("\n### tiered residency (moet against its all-resident run)\n")
         md.append("| shape | routing | pool (coverage) | batch | tok/s | vs all-resident | "
-                  "replay % of steps | read in place % of steps | fetch GB/s (of pinned H2D) |")  # fmt: skip
-        md.append("|---" * 9 + "|")
+                  "replay % of steps | read in place % of steps | fetch GB/s (of pinned H2D) | "
+                  "gate replay % of decode steps |")  # fmt: skip
+        md.append("|---" * 10 + "|")
         for r in sorted(rows, key=lambda r: (r["shape"], r["routing"], -(r["coverage"] or 0),
                                              r["batch"])):  # fmt: skip
             cov = f" ({r['coverage']:.0%})" if r["coverage"] is not None else ""
@@ -882,7 +934,7 @@ def tiered_table(runs: list, h2d: float | None, md: list) -> list:
                 f"{r['tok_s']:.1f} | {_fmt(r['vs_all_resident'], '.2f')}"
                 f"{'' if r['vs_all_resident'] is None else 'x'} | "
                 f"{_fmt(r['replay_pct'], '.1f')} | {_fmt(r['host_read_pct'], '.1f')} | "
-                f"{_fmt(r['fetch_gb_s'], '.1f')}{share} |"
+                f"{_fmt(r['fetch_gb_s'], '.1f')}{share} | {_fmt(r['gate_pct'], '.1f')} |"
             )
         judged = [r for r in rows if r["design_target_met"] is not None]
         met = sum(bool(r["design_target_met"]) for r in judged)
@@ -923,6 +975,13 @@ def options(ap: argparse.ArgumentParser, defaults: dict) -> None:
         default="all",
         help="moet's MOET_GPU_POOL: all, N or P%% (tiered); "
         "compare takes a comma-separated list (all,90%%,80%%), one engine per pool",
+    )
+    ap.add_argument(
+        "--fp4",
+        default="off",
+        help="moet's FP4 tier: off, or POOL[/gate=TAU] (fp4r rows, MOET_FP4_POOL=POOL, the gate "
+        "at margin TAU nats: 0 never replays, 1e9 replays every decode step); compare takes a "
+        "comma-separated list (off,25%%,25%%/gate=1e9), one engine per variant",
     )
     ap.add_argument("--moet-compute", default=None, help="moet's MOET_COMPUTE (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="the routing design and synthetic experts")

@@ -401,6 +401,17 @@ def _register_source() -> None:
             secs = synthetic_sections(shapes, layer_seed(self.seed, model_layer), dev)
             return {k: v.cpu().numpy() for k, v in secs.items()}
 
+        def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
+            """Synthetic fp4r rows (the FP4 tier's, `--fp4`): uniform nibble bytes on
+            trained-shaped scales, another seed than the W2 rows'."""
+            shapes = {
+                name: (self.n_experts, *shape)
+                for name, (_, shape) in RowLayout(self.hidden, self.inter, "fp4r").sections.items()
+            }
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            secs = synthetic_sections(shapes, layer_seed(self.seed, model_layer) + 500, dev)
+            return {k: v.cpu().numpy() for k, v in secs.items()}
+
         def close(self) -> None:
             pass
 
@@ -555,6 +566,9 @@ class BenchWorker:
             return None
         out = dataclasses.asdict(mgr.counters)
         out.pop("window")
+        if mgr.fp4 is not None:  # the FP4 tier's totals (gate replays, promotions, hits)
+            out |= {k: v for k, v in mgr.fp4.metrics().items() if k != "fp4_pool_coverage"}
+            out["fp4_steps"] = mgr.fp4.tier.counters.steps
         return out | {"slots": mgr.n_slots, "coverage": mgr.coverage}
 
     def bench_profile(self, on: bool) -> list | None:
