@@ -203,3 +203,23 @@ def test_the_fp4_hot_set_persists_and_preloads_the_next_boot(tmp_path):
     assert torch.equal(got, stack.expected(x, held))
     hot.write_text("{not json")
     assert fp4_manager(stack, 6, hot_path=hot).fp4.load_hot_set() == 0  # corrupt: nothing
+
+
+def test_fp4_counters_reach_the_metrics_collector(tmp_path, monkeypatch):
+    """What a worker publishes (Publisher) is what `/metrics` exports (Collector): the FP4
+    families appear where a rank serves the tier, with its numbers."""
+    from moet_vllm.residency import metrics
+
+    monkeypatch.setenv(metrics.RUN_DIR_ENV, str(tmp_path / "run"))
+    stack = Fp4Stack(8, tmp_path)
+    mgr = fp4_manager(stack, 6, gate=True, gate_metric="margin", gate_tau=1e9)
+    for x, scan in steps(8, 6):
+        mgr.run_forward(lambda x=x, eager=False: stack.forward(x, mgr), scan=scan,
+                        n_real=len(x), logits_of=logits_of)  # fmt: skip
+    metrics.Publisher(0).publish(mgr.counters, mgr.coverage, force=True, fp4=mgr.fp4.metrics())
+    got = {m.name: m.samples[0].value for m in metrics.Collector().collect()}
+    c = mgr.fp4.tier.counters
+    assert got["moet_fp4_gated_steps"] == c.gated_steps > 0
+    assert got["moet_fp4_promotions"] == c.promotions > 0
+    assert got["moet_fp4_pool_coverage"] == pytest.approx(6 / (L * E))
+    assert got["moet_steps"] == 6

@@ -181,8 +181,6 @@ class Collector:
     """The API server's side: a prometheus_client collector over the workers' files."""
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         d = run_dir()
         files = sorted(d.glob("rank*.json")) if d and d.is_dir() else []
         ranks = []
@@ -193,31 +191,25 @@ class Collector:
                 continue
         if not ranks:
             return
-        for key, (name, doc) in COUNTERS.items():
-            m = CounterMetricFamily(name, doc, labels=["rank"])
-            for rank, data in ranks:
-                m.add_metric([rank], float(data.get(key, 0)))
-            yield m
-        g = GaugeMetricFamily(
-            "moet_pool_coverage", "Share of the experts the device pool holds", labels=["rank"]
-        )
-        for rank, data in ranks:
-            g.add_metric([rank], float(data.get("pool_coverage", 0)))
-        yield g
+        yield from _families(ranks, COUNTERS, "pool_coverage", "the device pool")
         fp4 = [(rank, data) for rank, data in ranks if "fp4_pool_coverage" in data]
-        if not fp4:
-            return
-        for key, (name, doc) in FP4_COUNTERS.items():
-            m = CounterMetricFamily(name, doc, labels=["rank"])
-            for rank, data in fp4:
-                m.add_metric([rank], float(data.get(key, 0)))
-            yield m
-        g = GaugeMetricFamily(
-            "moet_fp4_pool_coverage", "Share of the experts the FP4 pool holds", labels=["rank"]
-        )
-        for rank, data in fp4:
-            g.add_metric([rank], float(data["fp4_pool_coverage"]))
-        yield g
+        if fp4:  # a rank serves the FP4 tier
+            yield from _families(fp4, FP4_COUNTERS, "fp4_pool_coverage", "the FP4 pool")
+
+
+def _families(ranks: list, counters: dict, coverage: str, pool: str):
+    """Prometheus families of `counters` and the `coverage` gauge over the ranks' files."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for key, (name, doc) in counters.items():
+        m = CounterMetricFamily(name, doc, labels=["rank"])
+        for rank, data in ranks:
+            m.add_metric([rank], float(data.get(key, 0)))
+        yield m
+    g = GaugeMetricFamily(f"moet_{coverage}", f"Share of the experts {pool} holds", labels=["rank"])
+    for rank, data in ranks:
+        g.add_metric([rank], float(data.get(coverage, 0)))
+    yield g
 
 
 _collector: Collector | None = None
