@@ -139,14 +139,17 @@ def test_a_failed_fp4_fetch_fails_the_step_and_publishes_nothing(tmp_path):
     assert not mgr.fp4.tier.resident.any()
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["replay", "in-place"])
 @pytest.mark.parametrize("tau", [0.0, 10.0, 1e9])
-def test_the_gate_replays_a_step_below_tau_with_its_routed_experts_at_fp4(tmp_path, tau):
+def test_the_gate_replays_a_step_below_tau_with_its_routed_experts_at_fp4(tmp_path, tau, in_place):
     """margin >= 0 always: tau 0 never gates, 1e9 gates every decode step, 10 some. A gated
-    step's output is the second pass's, with the first pass's routed pairs promoted."""
+    step's output is the second pass's, with the first pass's routed pairs promoted; reading in
+    place (a W2 pool of 4 slots: most rows read from host memory), the same decisions."""
     from moet_vllm.residency.fp4tier import confidence
 
     stack = Fp4Stack(5, tmp_path)
-    mgr = fp4_manager(stack, 6, gate=True, gate_metric="margin", gate_tau=tau)
+    mgr = fp4_manager(stack, 6, n_slots=4 if in_place else 24, gate=True, gate_metric="margin",
+                      gate_tau=tau, read_in_place=in_place)  # fmt: skip
     twin = Fp4Tier(6, L, E)
     gated = decode = 0
     for x, scan in steps(5, 30):

@@ -112,7 +112,7 @@ class _Returning:
     miss: torch.Tensor  # the ring's pinned buffers the copies land in
     routed: torch.Tensor
     resident: np.ndarray  # bool [policy keys]: the pool as the pass read it
-    gated: bool = False  # the pass is a confidence gate's replay
+    fp4_done: bool = False  # the FP4 tier learnt from the pass already (the gate was on)
 
     def arrived(self) -> bool:
         return self.event is None or self.event.query()
@@ -530,16 +530,25 @@ class ResidencyManager:
         self.streaming = False
         return out, keys, missed_first
 
+    def _gate_on(self, logits_of) -> bool:
+        return self.fp4 is not None and bool(self.gate) and logits_of is not None
+
     def _gates(self, out, logits_of) -> bool:
         """Whether a decode step's confidence gate fires: with an FP4 tier and `gate` on, some
         real row's confidence (`gate_metric`) of the logits of `out` is below `gate_tau` (one
         device-to-host sync)."""
-        if self.fp4 is None or not self.gate or logits_of is None or not torch.is_tensor(out):
+        if not self._gate_on(logits_of) or not torch.is_tensor(out):
             return False
         rows = out if self.n_real_tokens is None else out[: self.n_real_tokens]
-        if len(rows) == 0:
+        logits = logits_of(rows) if len(rows) else None
+        if logits is None:  # (a pipeline stage without the head)
             return False
-        return bool(confidence(logits_of(rows), self.gate_metric).min() < self.gate_tau)
+        return bool(confidence(logits, self.gate_metric).min() < self.gate_tau)
+
+    def _routed_keys(self) -> np.ndarray:
+        """The flat keys of the tiered experts the last pass routed (a device-to-host copy)."""
+        o, e = np.nonzero(self.routed.cpu().numpy()[self.tiered])
+        return o.astype(np.int64) * self.n_experts + e
 
     def _run_in_place(self, forward, scan: bool, logits_of=None):
         """One pass: what the pool lacks is read from host memory in place (nothing misses).
@@ -549,13 +558,17 @@ class ResidencyManager:
         self.miss_count.zero_()
         self.routed.zero_()
         out = forward()
-        gated = not scan and self._gates(out, logits_of)
-        if gated:  # this pass's routing, now (the gate has synced already); the final pass
-            o, e = np.nonzero(self.routed.cpu().numpy()[self.tiered])
-            self.fp4.gate(o.astype(np.int64) * self.n_experts + e)
-            self.miss_count.zero_()
-            self.routed.zero_()
-            out = forward()
+        # with the gate on, a decode step syncs for its confidence anyway: the FP4 tier then
+        # decides at once, from this step's routing, in the order the quality harness takes
+        fp4_now = not scan and self._gate_on(logits_of)
+        if fp4_now:
+            gated = self._gates(out, logits_of)
+            if gated:  # the step's routed experts to FP4, and the step once more: final
+                self.fp4.gate(self._routed_keys())
+                self.miss_count.zero_()
+                self.routed.zero_()
+                out = forward()
+            self.fp4.after_step(self._routed_keys(), gated)
         if len(self._returning) < len(self._ring):
             cuda = self.device.type == "cuda"
             miss, routed = self._ring[self._ring_next % len(self._ring)]  # FIFO: free now
@@ -568,7 +581,7 @@ class ResidencyManager:
                 event.record(torch.cuda.current_stream(self.device))
             # the pool as this pass read it: what it lacked was read in place
             resident = self.policy.slot_table.ravel() >= 0
-            self._returning.append(_Returning(event, scan, miss, routed, resident, gated))
+            self._returning.append(_Returning(event, scan, miss, routed, resident, fp4_now))
         # else the ring is full (the device is that far behind): this pass goes unobserved
         self._end_step()
         return out
@@ -596,8 +609,8 @@ class ResidencyManager:
                 self._plan_and_apply(keys, True)
                 continue
             self.policy.observe(keys)
-            if self.fp4 is not None:
-                self.fp4.after_step(keys, r.gated)
+            if self.fp4 is not None and not r.fp4_done:
+                self.fp4.after_step(keys)
             if len(read):  # (a pass that read nothing has nothing to place: less host time)
                 self.apply(self.policy.plan_promotion(keys, PROMOTE_ROWS_PER_PASS))
 
