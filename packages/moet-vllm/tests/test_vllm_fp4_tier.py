@@ -78,3 +78,23 @@ def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_pa
     assert 0 < sim["gated"] < sim["steps"]
     gated = re.findall(r"gate replay ([\d.]+)% of decode steps", served["log"])
     assert gated and max(float(g) for g in gated) > 0
+
+
+def test_gate_replays_of_mtp_verification_steps_are_kv_safe(tmp_path):
+    """GLM-4.5 with its MTP layer drafting (a tiny random model, re-quantized at load): with
+    every pair at FP4 already, a gate replaying every decode step (tau 1e9; verification steps
+    of 1 + 1 tokens a request) serves the tokens of the same engine without the gate: a replay
+    rewrites the step's KV slots, and the drafter's (pinned W2) experts are not the tier's."""
+    from tiny_models import write_tiny_model
+
+    model = write_tiny_model("glm4_moe", tmp_path / "glm")
+    base = {"MOET_FP4_TIER": "fp4r", "MOET_FP4_POOL": "100%", "MOET_KPI_EVERY": "1"}
+    runs = {
+        name: run_vllm(model, tmp_path, name, quantization="moet", mtp=1,
+                       env={**base, **env, "MOET_CACHE_DIR": str(tmp_path / name)})
+        for name, env in (("no-gate", {"MOET_GATE": "0"}), ("gate", {"MOET_GATE_TAU": "1e9"}))
+    }  # fmt: skip
+    assert runs["gate"]["tokens"] == runs["no-gate"]["tokens"]
+    assert runs["gate"]["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0
+    assert "gate replay 100.0% of decode steps" in runs["gate"]["log"]
+    assert "gate replay 0.0% of decode steps" in runs["no-gate"]["log"]
