@@ -606,7 +606,7 @@ class ResidencyManager:
             c.host_read_steps += len(read) > 0
             c.host_read_rows += len(read)
             if r.scan:  # what finds no room stays read in place
-                self._plan_and_apply(keys, True)
+                self._plan_and_apply(keys, scan=True)
                 continue
             self.policy.observe(keys)
             if self.fp4 is not None and not r.fp4_done:

@@ -372,11 +372,12 @@ class ResidencyPolicy:
         k = int(np.argmin(gain)) if not gain.all() else len(victims)
         victims = victims[:k]
         fetch = np.concatenate([cands[: len(free)], rest[:k]])
+        victim_slots = table[victims].astype(np.int64)
         return Plan(
             fetch_keys=fetch,
-            fetch_slots=np.concatenate([free, table[victims].astype(np.int64)]),
+            fetch_slots=np.concatenate([free, victim_slots]),
             evict_keys=victims,
-            evict_slots=table[victims].astype(np.int64),
+            evict_slots=victim_slots,
             version=self.version,
         )
 
