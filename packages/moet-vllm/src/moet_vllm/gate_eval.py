@@ -134,7 +134,7 @@ class _Decisions:
 
     def __init__(self, model, experts: _Experts, cfg: GateConfig):
         n_keys = len(experts.mods) * experts.n_experts
-        self.n_slots = int(round(cfg.pool_share * n_keys))
+        self.n_slots = int(cfg.pool_share * n_keys)  # as serving sizes fp4_pool="P%": floor
         self.tier = (
             Fp4Tier(
                 self.n_slots, len(experts.mods), experts.n_experts,

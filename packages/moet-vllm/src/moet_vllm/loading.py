@@ -123,7 +123,7 @@ class MoetLoadSession:
         return rows
 
     def _fp4_rows(self, model_layer: int, ordinal: int) -> None:
-        """With an FP4 tier: the layer's fp4r rows into their pack, unless it has them."""
+        """With an FP4 tier: the layer's FP4 rows into their pack, unless it has them."""
         fc = self.fp4_cache
         if fc is None or ordinal in fc.cached_layers():
             return

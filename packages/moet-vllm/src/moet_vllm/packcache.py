@@ -1,5 +1,5 @@
 """The persistent quantization cache: a model's expert rows in moet-store packs, one pack per
-tier (`w2`, and `fp4r` for the FP4 tier).
+tier (`w2`; `fp4r` or `fp4x` for the FP4 tier).
 
 The first boot quantizes experts and writes each MoE layer's rows (one row per expert of this
 rank, in the layout its compute path reads: `moet_kernels.layout.NativeRowLayout` for the GPU
