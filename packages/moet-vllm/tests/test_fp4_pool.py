@@ -226,3 +226,41 @@ def test_fp4_counters_reach_the_metrics_collector(tmp_path, monkeypatch):
     assert got["moet_fp4_promotions"] == c.promotions > 0
     assert got["moet_fp4_pool_coverage"] == pytest.approx(6 / (L * E))
     assert got["moet_steps"] == 6
+
+
+def test_an_auto_fp4_pool_takes_what_the_w2_pool_leaves_up_to_its_cap(tmp_path, monkeypatch):
+    """fp4_pool=auto: one slot at load; before capture, on CUDA from the KV budget the W2 pool
+    leaves (carve_auto_pool), on CPU from the memory free then, less the reserve, at most its
+    cap; then it serves as an explicit pool of that size would."""
+    from moet_vllm.residency import manager as residency
+    from moet_vllm.residency import sizing
+
+    stack = Fp4Stack(9, tmp_path)
+    mgr = fp4_manager(stack, 1)
+    mgr.fp4.auto_cap, mgr.reserve_bytes = 6, 100
+    residency.activate(mgr)
+    row = FP4.row_bytes
+    # CUDA's path: a budget of 3 more rows (the W2 pool is explicit here: it takes nothing)
+    assert residency.carve_auto_pool(None, 3 * row + 150) == 3 * row
+    assert mgr._fp4_auto == (4, 3 * row + 150)
+    residency.size_auto_pool()
+    assert mgr.fp4.n_slots == 4 and mgr.fp4.pool.shape[0] == 4 and mgr.fp4.auto_cap is None
+    residency.size_auto_pool()  # idempotent
+    assert mgr.fp4.n_slots == 4
+    # CPU's path, a larger machine: the cap
+    again = fp4_manager(stack, 1)
+    again.fp4.auto_cap, again.reserve_bytes = 6, 100
+    residency.activate(again)
+    monkeypatch.setattr(sizing, "free_bytes", lambda device: 100 * row)
+    residency.size_auto_pool()
+    assert again.fp4.n_slots == 6
+    twin = Fp4Tier(6, L, E)
+    for x, scan in steps(9, 20):
+        want = stack.expected(x, twin.resident.copy())
+        got = again.run_forward(lambda x=x, eager=False: stack.forward(x, again), scan=scan,
+                                n_real=len(x))  # fmt: skip
+        assert torch.equal(got, want)
+        if not scan:
+            twin.observe(stack.keys, False)
+            twin.commit(twin.heat_plan(stack.keys))
+    again.close()

@@ -98,3 +98,15 @@ def test_gate_replays_of_mtp_verification_steps_are_kv_safe(tmp_path):
     assert runs["gate"]["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0
     assert "gate replay 100.0% of decode steps" in runs["gate"]["log"]
     assert "gate replay 0.0% of decode steps" in runs["no-gate"]["log"]
+
+
+def test_an_auto_fp4_pool_is_sized_before_serving(tmp_path):
+    """fp4_pool=auto on vLLM CPU: sized once the KV cache is allocated, from the memory left
+    less the reserve, at most a quarter of the pairs (this host has room for that), and it
+    serves: the pool swaps by heat."""
+    env = fp4_env(tmp_path / "packs", "auto", MOET_KPI_EVERY="4", MOET_GATE="0")
+    r = run_vllm(FIXTURE, tmp_path, "fp4-auto", quantization="moet", extra=ONE_SEQ,
+                 prompts=fixture_prompts(2), env=env)  # fmt: skip
+    assert re.search(r"fp4_pool=auto: [\d.]+ GiB free, [\d.]+ GiB kept for the KV cache: 48 FP4 "
+                     r"slots \(FP4 pool coverage 25.0%", r["log"]), r["log"][-3000:]  # fmt: skip
+    assert "FP4 pool coverage 25.0% (routed experts at FP4" in r["log"]

@@ -48,8 +48,9 @@ class MoetConfig:
     mode: str = "reference"
     fp4_tier: str = "none"
     # -- the FP4 tier (fp4_tier != "none"; docs/vllm.md, "The FP4 tier") --
-    # device slots of FP4 expert rows beside the W2 pool, filled by heat: N slots, or "P%" of the
-    # (MoE layer, expert) pairs (at most 25% by default: docs/quality.md's curve)
+    # device slots of FP4 expert rows beside the W2 pool, filled by heat: N slots, "P%" of the
+    # (MoE layer, expert) pairs (at most 25% by default: docs/quality.md's curve), or "auto":
+    # up to FP4_AUTO_SHARE of them, as many as memory holds beside the W2 pool
     fp4_pool: str = "25%"
     # the confidence gate: a decode step whose token's confidence (gate_metric: "margin", the
     # top-2 log-probability gap in nats, or "prob", the top-1 probability) is below gate_tau
@@ -190,7 +191,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         text = str(value).strip()
         if (text.endswith("%") and _is_percent(text[:-1])) or (text.isascii() and text.isdigit()):
             return text
-        raise bad('a number of FP4 expert slots (>= 0), or a percentage of the experts ("25%")')
+        if text == "auto":
+            return text
+        raise bad(
+            'a number of FP4 expert slots (>= 0), a percentage of the experts ("25%"), or "auto"'
+        )
     if name in ("pool_reserve_gib", "host_arena", "gate_tau"):
         text = str(value).strip()
         if name == "host_arena" and text == "auto":
@@ -365,10 +370,16 @@ def pool_slots(cfg: MoetConfig, n_keys: int) -> int | None:
     return None if n >= n_keys else max(n, 1)
 
 
+FP4_AUTO_SHARE = 0.25  # fp4_pool=auto: at most this share of the pairs (docs/quality.md)
+
+
 def fp4_pool_slots(cfg: MoetConfig, n_keys: int) -> int:
-    """The FP4 pool's size in slots for `n_keys` (MoE layer, expert) pairs (0: no FP4 tier)."""
+    """The FP4 pool's size in slots for `n_keys` (MoE layer, expert) pairs (0: no FP4 tier;
+    "auto": its cap, FP4_AUTO_SHARE, until memory sizes it before graph capture)."""
     if not cfg.serves_fp4:
         return 0
+    if cfg.fp4_pool == "auto":
+        return int(n_keys * FP4_AUTO_SHARE)
     if cfg.fp4_pool.endswith("%"):
         return min(n_keys, int(n_keys * float(cfg.fp4_pool[:-1]) / 100))
     return min(n_keys, int(cfg.fp4_pool))

@@ -52,9 +52,12 @@ def start_residency(
         tiered = [o for o in range(n_moe_all) if src.moe_layers[o] not in mtp]
         fp4 = Fp4Pool(
             session.fp4_layout, session.fp4_cache.open_store(cfg.host_tier, cfg.host_arena),
-            n_moe_all, tiered, src.n_experts, fp4_pool_slots(cfg, n_tiered_keys), device,
+            n_moe_all, tiered, src.n_experts, 1 if cfg.fp4_pool == "auto"
+            else fp4_pool_slots(cfg, n_tiered_keys), device,
             hot_path=session.fp4_cache.hot_path(),
         )  # fmt: skip
+        if cfg.fp4_pool == "auto":  # sized with the W2 pool's memory, before graph capture
+            fp4.auto_cap = fp4_pool_slots(cfg, n_tiered_keys)
     mgr = ResidencyManager(
         session.layout,
         src.moe_layers,
@@ -80,6 +83,8 @@ def start_residency(
         mgr.preload(np.arange(n_tiered_keys))
     if cfg.gpu_pool == "auto":
         mgr.auto = AutoPool(int(cfg.pool_reserve_gib * GIB), floor, cfg.below_floor_ok)
+    if cfg.gpu_pool == "auto" or (fp4 is not None and fp4.auto_cap is not None):
+        mgr.reserve_bytes = int(cfg.pool_reserve_gib * GIB)
         if device.type == "cuda":
             compat.carve_available_memory(residency.carve_auto_pool)
         compat.before_warm_up(residency.size_auto_pool)

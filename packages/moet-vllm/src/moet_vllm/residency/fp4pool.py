@@ -42,21 +42,39 @@ class Fp4Pool:
     ):
         self.layout, self.store, self.n_experts = layout, store, n_experts
         self.tiered = list(tiered)  # the MoE-layer ordinal of each tiered layer (the tier's keys)
-        self.n_slots, self.fetch_attempts = n_slots, fetch_attempts
+        self.moe_layers, self.device = moe_layers, device
+        self.fetch_attempts = fetch_attempts
         self.hot_path = hot_path  # the persisted hot set (next to the fp4r pack)
-        self.tier = Fp4Tier(n_slots, len(self.tiered), n_experts)
+        self.auto_cap: int | None = None  # fp4_pool=auto: slots at most, sized before capture
+        self.routed_pairs = self.hit_pairs = 0  # decode steps' routed pairs, and those at FP4
+        self.pool = None
+        self._allocate(n_slots)
+
+    def _allocate(self, n_slots: int) -> None:
+        """A pool of `n_slots`, an empty table and tier; filled at once if it holds every pair."""
+        self.n_slots = n_slots
+        self.tier = Fp4Tier(n_slots, len(self.tiered), self.n_experts)
+        self.pool = None  # the old pool's memory is free before the new one is taken
+        row = self.layout.row_bytes
         try:
-            self.pool = torch.zeros(n_slots, layout.row_bytes, dtype=torch.uint8, device=device)
+            self.pool = torch.zeros(n_slots, row, dtype=torch.uint8, device=self.device)
         except (torch.OutOfMemoryError, RuntimeError) as e:
             raise MoetResidencyError(
-                f"moet: an FP4 pool of {n_slots} slots ({n_slots * layout.row_bytes / 2**30:.2f} "
-                f"GiB) does not fit in {device} memory: lower fp4_pool"
+                f"moet: an FP4 pool of {n_slots} slots ({n_slots * row / 2**30:.2f} GiB) does not "
+                f"fit in {self.device} memory: lower fp4_pool, or fp4_pool=auto"
             ) from e
-        self.table = torch.full((moe_layers, n_experts), -1, dtype=torch.int32, device=device)
-        self.routed_pairs = self.hit_pairs = 0  # decode steps' routed pairs, and those at FP4
-        if n_slots >= len(self.tiered) * n_experts:
+        self.table = torch.full(
+            (self.moe_layers, self.n_experts), -1, dtype=torch.int32, device=self.device
+        )
+        if n_slots >= len(self.tiered) * self.n_experts:
             self.apply(self.tier.policy.plan(np.arange(self.tier.policy.n_keys)))
             self.tier.counters = TierCounters()  # the boot fill is no step's promotion
+
+    def resize(self, n_slots: int) -> int:
+        """fp4_pool=auto, before graph capture (never once a graph holds the pool's address): a
+        pool of `n_slots` instead, preloaded from the saved hot set -> rows preloaded."""
+        self._allocate(n_slots)
+        return self.load_hot_set()
 
     @property
     def coverage(self) -> float:

@@ -202,6 +202,8 @@ class ResidencyManager:
         self.tune = TuneWatcher()  # `moet tune`: runtime settings (metrics.py)
         self._pinned_host: list[int] = []  # host-tier buffers registered with CUDA
         self.auto: AutoPool | None = None  # gpu_pool=auto: sized by size_auto_pool()
+        self.reserve_bytes = 0  # an auto pool (W2 or FP4): device memory it leaves to the KV cache
+        self._fp4_auto: tuple[int, int] | None = None  # fp4_pool=auto on CUDA: (slots, budget)
         if self.device.type == "cuda":
             self._pin_host_tier()
         # reading in place: the host tier's rows as a pool the op reads, and the passes whose
@@ -834,11 +836,30 @@ def carve_auto_pool(worker, available: int) -> int:
     -> the bytes the pool takes out of that budget (compat touch point 9). The pool is allocated
     by `size_auto_pool`, before any graph is captured."""
     mgr = _active
-    if mgr is None or mgr.auto is None:
+    if mgr is None or (mgr.auto is None and not _fp4_auto(mgr)):
         return 0
-    n = _auto_slots(mgr, available)
-    mgr.auto = dataclasses.replace(mgr.auto, slots=n, free_bytes=available)
-    return (n - mgr.n_slots) * mgr.layout.row_bytes
+    taken = 0
+    if mgr.auto is not None:
+        n = _auto_slots(mgr, available)
+        mgr.auto = dataclasses.replace(mgr.auto, slots=n, free_bytes=available)
+        taken = (n - mgr.n_slots) * mgr.layout.row_bytes
+    if _fp4_auto(mgr):  # from what the W2 pool leaves
+        n4 = _fp4_auto_slots(mgr, available - taken)
+        mgr._fp4_auto = (n4, available - taken)
+        taken += (n4 - mgr.fp4.n_slots) * mgr.fp4.layout.row_bytes
+    return taken
+
+
+def _fp4_auto(mgr: ResidencyManager) -> bool:
+    return mgr.fp4 is not None and mgr.fp4.auto_cap is not None
+
+
+def _fp4_auto_slots(mgr: ResidencyManager, free: int) -> int:
+    """fp4_pool=auto: the FP4 slots `free` bytes hold less the reserve (plus the load-time
+    pool's, given back first), at most its cap; 0 where nothing is left (the tier then serves
+    nothing: said in the boot line)."""
+    fp4 = mgr.fp4
+    return min(fp4.auto_cap, max(0, free - mgr.reserve_bytes) // fp4.layout.row_bytes + fp4.n_slots)
 
 
 def _auto_slots(mgr: ResidencyManager, free: int) -> int:
@@ -856,8 +877,27 @@ def size_auto_pool(worker=None) -> None:
     `carve_auto_pool`), or on CPU the memory left once the KV cache is allocated less the
     reserve; before any CUDA graph is captured (compat touch point 8; runs once)."""
     mgr = _active
-    if mgr is None or mgr.auto is None:
+    if mgr is None:
         return
+    if mgr.auto is not None:
+        _size_w2_auto(mgr)
+    if _fp4_auto(mgr):
+        n4, free = mgr._fp4_auto or (None, 0)
+        if n4 is None:  # CPU: from the memory left now
+            free = sizing.free_bytes(mgr.device)
+            n4 = _fp4_auto_slots(mgr, free)
+        mgr.fp4.auto_cap = mgr._fp4_auto = None
+        loaded = mgr.fp4.resize(max(n4, 1))
+        log.info(
+            "moet: fp4_pool=auto: %.2f GiB %s, %.2f GiB kept for the KV cache: %d FP4 slots "
+            "(FP4 pool coverage %.1f%%, %.1f MB); warm start: %d rows preloaded",
+            free / sizing.GIB, "free" if mgr.device.type != "cuda" else "of the KV budget left",
+            mgr.reserve_bytes / sizing.GIB, mgr.fp4.n_slots, 100 * mgr.fp4.coverage,
+            mgr.fp4.pool.numel() / 1e6, loaded,
+        )  # fmt: skip
+
+
+def _size_w2_auto(mgr: ResidencyManager) -> None:
     auto = mgr.auto
     n, free = auto.slots, auto.free_bytes
     if n is None:
