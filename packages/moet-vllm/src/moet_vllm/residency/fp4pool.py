@@ -1,16 +1,18 @@
-"""The FP4 tier on the device (issue 19; design.md, Residency): a pool of `fp4r` expert rows beside
-the W2 pool, one slot per (MoE layer, expert) it holds, preferred over the W2 slot by the MoE op.
+"""The FP4 tier on the device (issue 19; design.md, Residency): a pool of FP4 expert rows (`fp4r`,
+or the checkpoint's own `fp4x` data) beside the W2 pool, one slot per (MoE layer, expert) it
+holds, preferred over the W2 slot by the MoE op.
 
 * `pool` uint8 [n_slots, row_bytes] and `table` int32 [moe_layers, E] (-1: no FP4 row) on the
-  layers' device, allocated at boot and never moved, so a captured CUDA graph reads them by
-  address; MTP (pinned) layers keep table rows of -1 (their experts stay W2);
-* the host source: a moet-store `Store` over the model's `fp4r` pack (loading.py writes it);
+  layers' device, allocated at boot (`fp4_pool=auto`: re-sized once, before graph capture) and
+  never moved after, so a captured CUDA graph reads them by address; MTP (pinned) layers keep
+  table rows of -1 (their experts stay W2);
+* the host source: a moet-store `Store` over the model's FP4 pack (loading.py writes it);
 * the decisions: `fp4tier.Fp4Tier` (heat after each decode step), the same rules the quality
   simulation (`moet eval-gate`) takes. Plans are applied only between forward passes: the
   evictions are published first, then the rows copied, then their slots published.
 
 A pool that holds every pair is filled at boot: there is nothing left to decide. Otherwise the hot
-set saved at the KPI lines of an earlier run (`<fp4r pack>.pool-hot.json`) preloads it.
+set saved at the KPI lines of an earlier run (`<FP4 pack>.pool-hot.json`) preloads it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Fp4Pool:
         self.tiered = list(tiered)  # the MoE-layer ordinal of each tiered layer (the tier's keys)
         self.moe_layers, self.device = moe_layers, device
         self.fetch_attempts = fetch_attempts
-        self.hot_path = hot_path  # the persisted hot set (next to the fp4r pack)
+        self.hot_path = hot_path  # the persisted hot set (next to the FP4 pack)
         self.auto_cap: int | None = None  # fp4_pool=auto: slots at most, sized before capture
         self.routed_pairs = self.hit_pairs = 0  # decode steps' routed pairs, and those at FP4
         self.pool = None
