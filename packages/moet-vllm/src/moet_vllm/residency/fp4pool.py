@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from .fp4tier import Fp4Tier, TierCounters
-from .manager import MoetResidencyError, fetch_rows, load_hot_set, save_hot_set
-from .policy import Plan, key_pairs
+from .manager import MoetResidencyError, apply_plan, fetch_rows, load_hot_set, save_hot_set
+from .policy import Plan
 
 log = logging.getLogger("vllm.moet")
 
@@ -120,21 +120,14 @@ class Fp4Pool:
 
     def apply(self, plan: Plan) -> None:
         """Evict, fetch and publish one plan (between forward passes); a failed fetch publishes
-        nothing it read, and the victims leave the pool."""
-        for o, e in key_pairs(plan.evict_keys, self.n_experts):
-            self.table[self.tiered[o], e] = -1
-        fetch = [(self.tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, self.n_experts)]
-        try:
-            if fetch:
-                fetch_rows(self.store, self.pool, self.layout.row_bytes, fetch, plan.fetch_slots,
-                           self.fetch_attempts, "FP4")  # fmt: skip
-        except MoetResidencyError:
-            self.tier.commit(Plan(evict_keys=plan.evict_keys, evict_slots=plan.evict_slots,
-                                  version=plan.version))  # fmt: skip
-            raise
-        for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
-            self.table[o, e] = int(slot)
-        self.tier.commit(plan)
+        nothing it read, and the victims leave the pool (manager.apply_plan)."""
+
+        def copy(keys, slots) -> None:
+            fetch_rows(self.store, self.pool, self.layout.row_bytes, keys, slots,
+                       self.fetch_attempts, "FP4")  # fmt: skip
+
+        apply_plan(plan, self.table, self.tiered, self.n_experts, copy, self.tier.commit,
+                   self.tier.commit)  # fmt: skip
 
     def metrics(self) -> dict:
         """Totals since boot for `/metrics` (metrics.FP4_COUNTERS) and the pool's coverage."""

@@ -407,27 +407,8 @@ class ResidencyManager:
 
     def apply(self, plan, scan: np.ndarray | None = None) -> None:
         """Evict, fetch and publish a policy plan (between forward passes)."""
-        pairs = key_pairs(plan.evict_keys, self.n_experts)
-        for o, e in pairs:
-            self.slot_table[self.tiered[o], e] = -1
-        fetch = [(self.tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, self.n_experts)]
-        try:
-            self._copy_rows(fetch, plan.fetch_slots)  # a failure publishes nothing
-        except MoetResidencyError:
-            # the victims' slots may hold part of a new row: they leave the pool (in the policy's
-            # mirror too), and nothing fetched is published
-            if len(plan.evict_keys):
-                self.policy.commit(
-                    Plan(
-                        evict_keys=plan.evict_keys,
-                        evict_slots=plan.evict_slots,
-                        version=plan.version,
-                    )
-                )
-            raise
-        for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
-            self.slot_table[o, e] = int(slot)
-        self.policy.commit(plan, scan)
+        apply_plan(plan, self.slot_table, self.tiered, self.n_experts, self._copy_rows,
+                   lambda p: self.policy.commit(p, scan), self.policy.commit)  # fmt: skip
 
     def preload(self, keys: np.ndarray) -> int:
         """Warm start: the persisted hot set (flat policy keys, hottest first) into free slots."""
@@ -736,6 +717,27 @@ class ResidencyManager:
         self.store.close()
         if self.fp4 is not None:
             self.fp4.close()
+
+
+def apply_plan(plan, table, tiered, n_experts, copy_rows, commit, commit_evictions) -> None:
+    """One pool's plan between forward passes: its evictions published in `table` (-1) first,
+    the fetched rows copied (`copy_rows(keys, slots)`), their slots published, `commit(plan)`.
+    A failed copy publishes nothing fetched; the victims' slots may hold part of a new row, so
+    they leave the pool (`commit_evictions` of them alone) and the error goes on."""
+    for o, e in key_pairs(plan.evict_keys, n_experts):
+        table[tiered[o], e] = -1
+    fetch = [(tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, n_experts)]
+    try:
+        if fetch:
+            copy_rows(fetch, plan.fetch_slots)
+    except MoetResidencyError:
+        if len(plan.evict_keys):
+            commit_evictions(Plan(evict_keys=plan.evict_keys, evict_slots=plan.evict_slots,
+                                  version=plan.version))  # fmt: skip
+        raise
+    for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
+        table[o, e] = int(slot)
+    commit(plan)
 
 
 def save_hot_set(path: Path | None, policy: ResidencyPolicy) -> None:
