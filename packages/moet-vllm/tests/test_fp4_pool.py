@@ -43,8 +43,8 @@ class Fp4Stack(Stack):
             w.write_layer(layer, rows)
         w.close()
 
-    def fp4_store(self, **kw):
-        return moet_store.open_store(self.directory, self.fp4_spec, backend="ram", **kw)
+    def fp4_store(self, backend="ram", **kw):
+        return moet_store.open_store(self.directory, self.fp4_spec, backend=backend, **kw)
 
     def expected(self, x: torch.Tensor, fp4_resident: np.ndarray) -> torch.Tensor:
         """The forward with layer l's expert e from its FP4 row where fp4_resident[l, e], else
@@ -86,10 +86,14 @@ def logits_of(h: torch.Tensor) -> torch.Tensor:
     return h @ VOCAB
 
 
+@pytest.mark.parametrize("backend", ["ram", "pagecache"])
 @pytest.mark.parametrize("n_fp4", [3, 6])
-def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(tmp_path, n_fp4):
+def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(tmp_path, n_fp4, backend):
+    """From the `ram` host tier the rows are copied from its arena (queued copies), from
+    `pagecache` fetched in batches: the same outputs."""
     stack = Fp4Stack(n_fp4, tmp_path)
-    mgr = fp4_manager(stack, n_fp4)
+    mgr = fp4_manager(stack, n_fp4, fp4_store=stack.fp4_store(backend))
+    assert (mgr.fp4.host_rows is not None) == (backend == "ram")
     twin = Fp4Tier(n_fp4, L, E)  # the same decisions, taken apart from the manager
     promoted = 0
     for x, scan in steps(n_fp4, 40):

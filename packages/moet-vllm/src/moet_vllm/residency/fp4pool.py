@@ -6,7 +6,10 @@ holds, preferred over the W2 slot by the MoE op.
   layers' device, allocated at boot (`fp4_pool=auto`: re-sized once, before graph capture) and
   never moved after, so a captured CUDA graph reads them by address; MTP (pinned) layers keep
   table rows of -1 (their experts stay W2);
-* the host source: a moet-store `Store` over the model's FP4 pack (loading.py writes it);
+* the host source: a moet-store `Store` over the model's FP4 pack (loading.py writes it),
+  registered with CUDA like the W2 one; with the `ram` host tier its arena rows are copied into
+  the pool by copies queued on the stream, with no wait (the next pass is queued after them),
+  else fetched in a batch and waited for;
 * the decisions: `fp4tier.Fp4Tier` (heat after each decode step), the same rules the quality
   simulation (`moet eval-gate`) takes. Plans are applied only between forward passes: the
   evictions are published first, then the rows copied, then their slots published.
@@ -23,7 +26,17 @@ import numpy as np
 import torch
 
 from .fp4tier import Fp4Tier, TierCounters
-from .manager import MoetResidencyError, apply_plan, fetch_rows, load_hot_set, save_hot_set
+from .manager import (
+    MoetResidencyError,
+    apply_plan,
+    fetch_rows,
+    host_rows,
+    load_hot_set,
+    pin_host_memory,
+    queue_row_copies,
+    save_hot_set,
+    unpin_host_memory,
+)
 from .policy import Plan
 
 log = logging.getLogger("vllm.moet")
@@ -44,13 +57,26 @@ class Fp4Pool:
     ):
         self.layout, self.store, self.n_experts = layout, store, n_experts
         self.tiered = list(tiered)  # the MoE-layer ordinal of each tiered layer (the tier's keys)
-        self.moe_layers, self.device = moe_layers, device
+        self.moe_layers, self.device = moe_layers, torch.device(device)
         self.fetch_attempts = fetch_attempts
         self.hot_path = hot_path  # the persisted hot set (next to the FP4 pack)
         self.auto_cap: int | None = None  # fp4_pool=auto: slots at most, sized before capture
         self.routed_pairs = self.hit_pairs = 0  # decode steps' routed pairs, and those at FP4
         self.pool = None
+        self._pinned = pin_host_memory(store, device)
+        self.host_rows = self._host_rows()
         self._allocate(n_slots)
+
+    def _host_rows(self):
+        """(arena rows, arena slot per pair) of a `ram` store holding every tiered pair's row,
+        pinned on a GPU; else None (rows are fetched)."""
+        st = self.store
+        if getattr(st, "backend", None) != "ram" or not st.arena_address:
+            return None
+        if self.device.type == "cuda" and st.arena_address not in self._pinned:
+            return None
+        rows, slots = host_rows(st, self.moe_layers, self.n_experts)
+        return (rows, slots) if (slots[self.tiered] >= 0).all() else None
 
     def _allocate(self, n_slots: int) -> None:
         """A pool of `n_slots`, an empty table and tier; filled at once if it holds every pair."""
@@ -123,8 +149,11 @@ class Fp4Pool:
         nothing it read, and the victims leave the pool (manager.apply_plan)."""
 
         def copy(keys, slots) -> None:
-            fetch_rows(self.store, self.pool, self.layout.row_bytes, keys, slots,
-                       self.fetch_attempts, "FP4")  # fmt: skip
+            if self.host_rows is not None:
+                queue_row_copies(self.pool, *self.host_rows, self.layout.row_bytes, keys, slots)
+            else:
+                fetch_rows(self.store, self.pool, self.layout.row_bytes, keys, slots,
+                           self.fetch_attempts, "FP4")  # fmt: skip
 
         apply_plan(plan, self.table, self.tiered, self.n_experts, copy, self.tier.commit,
                    self.tier.commit)  # fmt: skip
@@ -156,4 +185,6 @@ class Fp4Pool:
         )
 
     def close(self) -> None:
+        unpin_host_memory(self._pinned)
+        self._pinned = []
         self.store.close()
