@@ -15,18 +15,25 @@ from moet_vllm.residency.fp4tier import Fp4Tier, confidence
 # --- the tier's rules -----------------------------------------------------------------------------
 
 
-def test_heat_fills_free_slots_then_swaps_only_hotter_pairs_at_most_max_promotions_a_step():
-    tier = Fp4Tier(4, 2, 8, max_promotions=1, half_life_steps=1e9)  # no decay: counts
+@pytest.mark.parametrize("sigmas", [0.0, 2.0])
+def test_heat_fills_free_slots_then_swaps_only_pairs_hotter_by_the_margin(sigmas):
+    """At most max_promotions a step; a swap needs a count above the resident's by `sigmas`
+    standard deviations (sqrt of the sum): with 2, 5 routings against 3 are noise, 12 are not."""
+    tier = Fp4Tier(4, 2, 8, max_promotions=1, half_life_steps=1e9, swap_sigmas=sigmas)  # counts
     for _ in range(3):  # 0, 1, 2, 3 routed three times each: they fill the pool
         tier.observe(np.array([0, 1, 2, 3]), gated=False)
         tier.commit(tier.heat_plan(np.array([0, 1, 2, 3])))
     assert sorted(np.flatnonzero(tier.resident.ravel())) == [0, 1, 2, 3]
     tier.observe(np.array([8, 9, 0]), gated=False)  # 8, 9 once: colder than every resident
-    plan = tier.heat_plan(np.array([8, 9, 0]))
-    assert len(plan.fetch_keys) == 0
-    for _ in range(4):  # 8 and 9 routed 5 times in all: hotter than 1, 2, 3 (3 times)
+    assert len(tier.heat_plan(np.array([8, 9, 0])).fetch_keys) == 0
+    for _ in range(4):  # 8 and 9 routed 5 times in all against 3 for 1, 2, 3
         tier.observe(np.array([8, 9, 0]), gated=False)
     plan = tier.heat_plan(np.array([8, 9, 0]))
+    if sigmas:  # 5 - 3 < 2 sqrt(8): no swap yet; at 12 routings 12 - 3 > 2 sqrt(15)
+        assert len(plan.fetch_keys) == 0
+        for _ in range(7):
+            tier.observe(np.array([8, 9, 0]), gated=False)
+        plan = tier.heat_plan(np.array([8, 9, 0]))
     assert len(plan.fetch_keys) == 1 and len(plan.evict_keys) == 1  # max_promotions
     assert plan.fetch_keys[0] in (8, 9) and plan.evict_keys[0] in (1, 2, 3)
     tier.commit(plan)

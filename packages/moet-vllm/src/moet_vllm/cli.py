@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("settings", nargs="+", metavar="KEY=VALUE")
     tune.add_argument("--run", default=None, help="run directory (default: the newest live one)")
     tune.set_defaults(func=run_tune)
-    from .gate_eval import DEFAULT_POOLS, DEFAULT_TAUS  # numpy only (torch on use)
+    from .gate_eval import DEFAULT_POOLS, DEFAULT_SWAP_SIGMAS, DEFAULT_TAUS  # numpy (torch on use)
 
     gate = sub.add_parser(
         "eval-gate",
@@ -82,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="gate thresholds (0: no gate; default 0 0.3 0.5 0.7)")  # fmt: skip
     gate.add_argument("--metric", choices=("prob", "margin"), default="prob",
                       help="confidence: top-1 probability or top-2 log-prob margin (nats)")  # fmt: skip
+    gate.add_argument("--swap-sigmas", type=float, nargs="+", default=[DEFAULT_SWAP_SIGMAS],
+                      help="heat swaps: a pair replaces a resident one when its routing count is "
+                      "higher by more than this many standard deviations (default "
+                      f"{DEFAULT_SWAP_SIGMAS:g}, serving's)")  # fmt: skip
     gate.add_argument("--window", type=int, default=1024, help="tokens per window (a request)")
     gate.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
     gate.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
@@ -109,7 +113,7 @@ def run_eval_gate(args: argparse.Namespace) -> int:
     bad = [p for p in args.fp4_pool if not 0.0 <= p <= 1.0]
     if bad:
         raise MoetError(f"--fp4-pool {bad}: a share of the experts must be in [0, 1]")
-    configs = curve(args.fp4_pool, args.tau, args.metric)
+    configs = curve(args.fp4_pool, args.tau, args.metric, args.swap_sigmas)
     opts = SimOptions(window=args.window, max_tokens=args.max_tokens, n_boot=args.n_boot,
                       extra={"token_file": str(args.tokens)})  # fmt: skip
     report = evaluate_gate(args.checkpoint, tokens, configs, opts)

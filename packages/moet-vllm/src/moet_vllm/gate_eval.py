@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .residency.fp4tier import DEFAULT_MAX_PROMOTIONS, Fp4Tier, confidence
+from .residency.fp4tier import DEFAULT_MAX_PROMOTIONS, DEFAULT_SWAP_SIGMAS, Fp4Tier, confidence
 
 
 @dataclass(frozen=True)
@@ -38,20 +38,25 @@ class GateConfig:
     tau: float  # gate threshold (0: never gates)
     metric: str = "prob"
     max_promotions: int = DEFAULT_MAX_PROMOTIONS
+    swap_sigmas: float = DEFAULT_SWAP_SIGMAS
 
     @property
     def name(self) -> str:
-        return f"pool {100 * self.pool_share:g}% tau {self.tau:g} ({self.metric})"
+        swap = "" if self.swap_sigmas == DEFAULT_SWAP_SIGMAS else f", swap {self.swap_sigmas:g} sd"
+        return f"pool {100 * self.pool_share:g}% tau {self.tau:g} ({self.metric}{swap})"
 
 
 DEFAULT_POOLS = (0.1, 0.25)  # the FP4 pool's share of the experts (the issue allows <= 25%)
 DEFAULT_TAUS = (0.0, 0.3, 0.5, 0.7)
 
 
-def curve(pools=DEFAULT_POOLS, taus=DEFAULT_TAUS, metric: str = "prob") -> list[GateConfig]:
-    """Bare W2 (the baseline of every row), then every pool share > 0 with every tau."""
+def curve(
+    pools=DEFAULT_POOLS, taus=DEFAULT_TAUS, metric: str = "prob", swaps=(DEFAULT_SWAP_SIGMAS,)
+) -> list[GateConfig]:
+    """Bare W2 (the baseline of every row), then every pool share > 0 with every tau and every
+    heat-swap margin (`swaps`, Fp4Tier's `swap_sigmas`)."""
     return [GateConfig(0.0, 0.0, metric)] + [
-        GateConfig(p, t, metric) for p in pools if p for t in taus
+        GateConfig(p, t, metric, swap_sigmas=z) for p in pools if p for z in swaps for t in taus
     ]
 
 
@@ -138,7 +143,7 @@ class _Decisions:
         self.tier = (
             Fp4Tier(
                 self.n_slots, len(experts.mods), experts.n_experts,
-                max_promotions=cfg.max_promotions,
+                max_promotions=cfg.max_promotions, swap_sigmas=cfg.swap_sigmas,
             )
             if self.n_slots
             else None
@@ -276,6 +281,7 @@ def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | Non
                 "tau": cfg.tau,
                 "metric": cfg.metric,
                 "max_promotions": cfg.max_promotions,
+                "swap_sigmas": cfg.swap_sigmas,
                 "loss": float(r["nll"].mean()),
                 "vs_bf16": bootstrap(diff, count, opts.n_boot, opts.seed),
                 "agreement_bf16": float(np.mean(r["top"] == bf16_top)),
@@ -306,15 +312,15 @@ def format_table(report: dict) -> str:
         f"{report['all_fp4']['vs_bf16']['mean']:+.4f} nats, agreement with bf16 "
         f"{report['all_fp4']['agreement_bf16']:.3f}",
         "",
-        "| FP4 pool | tau | loss vs bf16 [95% CI] | agree bf16 | agree all-FP4 | gated % of steps "
-        "| promotions / evictions per step |",
-        "|---|---|---|---|---|---|---|",
+        "| FP4 pool | tau | heat swap margin (sd) | loss vs bf16 [95% CI] | agree bf16 | agree all-FP4 "
+        "| gated % of steps | promotions / evictions per step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for r in report["configs"].values():
+    for r in report["configs"].values():  # (reports before swap_sigmas swapped at any margin)
         d = r["vs_bf16"]
         lines.append(
             f"| {100 * r['pool_share']:g}% ({r['slots']}) | {r['tau']:g} {r['metric']} | "
-            f"{d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] | "
+            f"{r.get('swap_sigmas', 0.0):g} | {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] | "
             f"{r['agreement_bf16']:.3f} | {r['agreement_fp4']:.3f} | {r['gated_pct']:.1f} | "
             f"{r['promotions_per_step']:.2f} / {r['evictions_per_step']:.2f} |"
         )
