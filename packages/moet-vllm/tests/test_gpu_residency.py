@@ -2,7 +2,8 @@
 the serving `ResidencyManager` over a moet-store host tier, with moet-kernels' op in a CUDA graph
 as the forward pass (3 MoE layers x 32 experts, top-4, hidden 512, intermediate 256: the pool
 holds every expert, so no step misses). A miss-free step costs one device-to-host sync, the miss
-counter's; the predicted fetch's cost is measured against it."""
+counter's; the predicted fetch's cost is measured against it. The FP4 pool's promotions from a
+`ram` FP4 pack are copies queued from its pinned arena, without a sync."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import moet_store
 from moet_kernels.layout import NativeRowLayout, RowLayout
 from moet_kernels.ops import w2_moe_slots
 from moet_kernels.testing import random_scales
+from moet_vllm.residency.fp4pool import Fp4Pool
 from moet_vllm.residency.manager import ResidencyManager
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +80,23 @@ class Graph:
         return self.out
 
 
+class CountedSyncs:
+    """Counts explicit stream syncs (torch.cuda.Stream.synchronize) inside the block."""
+
+    def __enter__(self):
+        self.n, self._original = 0, torch.cuda.Stream.synchronize
+
+        def counted(stream):
+            self.n += 1
+            return self._original(stream)
+
+        torch.cuda.Stream.synchronize = counted
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.Stream.synchronize = self._original
+
+
 def run(mgr, graph, token_ids=None) -> tuple[int, int, float]:
     """STEPS decode steps -> (explicit stream syncs, implicit syncs torch flagged, us/step)."""
     explicit = 0
@@ -127,4 +146,45 @@ def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_pat
     print(
         f"per miss-free step: on demand {syncs / STEPS:.0f} sync, {us:.1f} us; predicting "
         f"{(p_syncs + p_implicit) / STEPS:.1f} syncs, {p_us:.1f} us ({p_us / us:.2f}x)"
+    )
+
+
+def test_fp4_promotions_are_queued_copies_from_the_pinned_arena(tmp_path):
+    """A plan of 16 FP4 rows of GLM-4.5-Air's expert size (9.8 MB) into the FP4 pool: from a
+    `ram` FP4 pack its arena is registered with CUDA and the rows are copies queued on the
+    stream, with no sync; from `pagecache` they are fetched and waited for. Either way the pool
+    holds the pack's bytes and the table publishes them; both rates are printed."""
+    lay = RowLayout(4096, 1408, "fp4r")
+    n_layers, n_exp = 2, 16
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 256, (n_exp, lay.row_bytes), dtype=np.uint8) for _ in range(n_layers)]
+    spec = moet_store.PackSpec("fp4r", 0, 0, n_layers, n_exp, lay.row_bytes, {"test": "fp4 copy"})
+    with moet_store.open_pack_for_write(tmp_path, spec) as writer:
+        for layer, layer_rows in enumerate(rows):
+            writer.write_layer(layer, layer_rows)
+    keys = np.arange(n_layers * n_exp)[::2]
+    rate = {}
+    for backend in ("ram", "pagecache"):
+        store = moet_store.open_store(tmp_path, spec, backend=backend)
+        fp4 = Fp4Pool(lay, store, n_layers, list(range(n_layers)), n_exp, len(keys), "cuda")
+        try:
+            assert (fp4.host_rows is not None) == (backend == "ram")  # ram: pinned and mapped
+            torch.cuda.synchronize()
+            with CountedSyncs() as syncs:
+                t0 = time.perf_counter()
+                fp4.gate(keys)
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+            assert (syncs.n == 0) == (backend == "ram"), (backend, syncs.n)
+            table = fp4.table.cpu().numpy()
+            for key in keys:
+                layer, e = divmod(int(key), n_exp)
+                got = fp4.pool[int(table[layer, e])].cpu().numpy()
+                assert table[layer, e] >= 0 and np.array_equal(got, rows[layer][e])
+            rate[backend] = len(keys) * lay.row_bytes / seconds / 1e9
+        finally:
+            fp4.close()
+    print(
+        f"16 FP4 rows of {lay.row_bytes / 1e6:.1f} MB: queued from the pinned arena "
+        f"{rate['ram']:.1f} GB/s, fetched from pagecache and waited for {rate['pagecache']:.1f} GB/s"
     )
