@@ -50,14 +50,14 @@ def start_residency(
     if session.fp4_cache is not None:  # the FP4 tier: its pool and its own pack
         n_moe_all = len(src.moe_layers)
         tiered = [o for o in range(n_moe_all) if src.moe_layers[o] not in mtp]
+        n_fp4, auto = fp4_pool_slots(cfg, n_tiered_keys), cfg.fp4_pool == "auto"
         fp4 = Fp4Pool(
             session.fp4_layout, session.fp4_cache.open_store(cfg.host_tier, cfg.host_arena),
-            n_moe_all, tiered, src.n_experts, 1 if cfg.fp4_pool == "auto"
-            else fp4_pool_slots(cfg, n_tiered_keys), device,
+            n_moe_all, tiered, src.n_experts, 1 if auto else n_fp4, device,
             hot_path=session.fp4_cache.hot_path(),
         )  # fmt: skip
-        if cfg.fp4_pool == "auto":  # sized with the W2 pool's memory, before graph capture
-            fp4.auto_cap = fp4_pool_slots(cfg, n_tiered_keys)
+        if auto:  # at most n_fp4, sized with the W2 pool's memory before graph capture
+            fp4.auto_cap = n_fp4
     mgr = ResidencyManager(
         session.layout,
         src.moe_layers,

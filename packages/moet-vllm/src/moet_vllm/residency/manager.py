@@ -876,8 +876,7 @@ def _fp4_auto(mgr: ResidencyManager) -> bool:
 
 def _fp4_auto_slots(mgr: ResidencyManager, free: int) -> int:
     """fp4_pool=auto: the FP4 slots `free` bytes hold less the reserve (plus the load-time
-    pool's, given back first), at most its cap; 0 where nothing is left (the tier then serves
-    nothing: said in the boot line)."""
+    pool's one slot, given back first), at most its cap."""
     fp4 = mgr.fp4
     return min(fp4.auto_cap, max(0, free - mgr.reserve_bytes) // fp4.layout.row_bytes + fp4.n_slots)
 
