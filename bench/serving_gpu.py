@@ -72,10 +72,11 @@ each batch reports the tier's counters over the timed generates (replay % of ste
 and `summarize` sets them against moet's all-resident run of the same shape and routing and
 against a pinned host-to-device copy of the same run (`copy-bandwidth`). `--routing concentrated`
 runs GLM-5.2's synthetic-trace profile on the shape (serving_gpu_engine.py).
-The FP4 tier (`--fp4 POOL[/gate=TAU]`, moet only): the source's synthetic fp4r rows in an FP4 pool
-of POOL beside the W2 one, the gate at a margin of TAU nats; synthetic weights have no meaningful
-confidence, so the gate's cost is bracketed: TAU 0 never replays, 1e9 replays every decode step
-(a rate r in between costs about 1 / ((1 - r) / tok_s(0) + r / tok_s(1e9))). Each variant is set
+The FP4 tier (`--fp4 POOL[/gate=TAU|off]`, moet only): the source's synthetic fp4r rows in an FP4
+pool of POOL beside the W2 one, the gate at a margin of TAU nats; synthetic weights have no
+meaningful confidence, so the gate's cost is bracketed: TAU 0 checks every decode step and never
+replays, 1e9 replays every decode step (a rate r in between costs about
+1 / ((1 - r) / tok_s(0) + r / tok_s(1e9))); `gate=off` is heat alone (no sync a step). Each variant is set
 against moet's all-resident run without the tier, with the gate replay % of its decode steps.
 """
 
@@ -245,26 +246,32 @@ def engine_env(args) -> None:
         if fp4:  # the FP4 tier (fp4r rows of the synthetic source), the gate at margin tau
             os.environ["MOET_FP4_TIER"] = "fp4r"
             os.environ["MOET_FP4_POOL"] = fp4["pool"]
-            os.environ["MOET_GATE_TAU"] = str(fp4["gate_tau"])
+            os.environ["MOET_GATE"] = "1" if fp4["gate_tau"] is not None else "0"
+            os.environ["MOET_GATE_TAU"] = str(fp4["gate_tau"] or 0.0)
         if args.moet_compute:
             os.environ["MOET_COMPUTE"] = args.moet_compute
 
 
 def fp4_variant(text: str) -> dict | None:
-    """`--fp4` variant: "off", or POOL[/gate=TAU] (the FP4 pool's MOET_FP4_POOL; the gate's
-    margin threshold in nats, 0 by default: never; 1e9: every decode step replays)."""
+    """`--fp4` variant: "off", or POOL[/gate=TAU|off] (the FP4 pool's MOET_FP4_POOL; the gate's
+    margin threshold in nats, 0 by default: checked on every decode step, never replays; 1e9:
+    every decode step replays; off: the gate off, heat alone, gate_tau None)."""
     if text == "off":
         return None
     pool, _, gate = text.partition("/")
     tau = 0.0
     if gate:
         key, _, value = gate.partition("=")
+        if key == "gate" and value == "off":
+            return {"pool": pool, "gate_tau": None}
         try:
             tau = float(value) if key == "gate" else -1.0
         except ValueError:
             tau = -1.0
         if not tau >= 0:
-            raise SystemExit(f"--fp4 {text}: expected off or POOL[/gate=TAU] (TAU >= 0, nats)")
+            raise SystemExit(
+                f"--fp4 {text}: expected off or POOL[/gate=TAU|off] (TAU >= 0, nats)"
+            )
     return {"pool": pool, "gate_tau": tau}
 
 

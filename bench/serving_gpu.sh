@@ -17,8 +17,9 @@
 #     tiered (one engine per pool, against moet's all-resident run of the same routing; about
 #     two minutes a pool, and the device returns at most 8 files: 5 + one per pool):
 #     bash bench/serving_gpu.sh moet -- --routing concentrated --gpu-pool all,100%,90%
-#     the FP4 tier's cost (issue 19): off, on, and with the gate replaying every decode step:
-#     bash bench/serving_gpu.sh moet -- --fp4 off,25%,25%/gate=1e9
+#     the FP4 tier's cost (issue 19): off, heat alone, the gate checked, the gate replaying every
+#     decode step (the last at --batches 1: three engines of ~100 s boot fill a command):
+#     bash bench/serving_gpu.sh moet -- --fp4 off,25%/gate=off,25%; ... moet -- --fp4 25%/gate=1e9 --batches 1
 #     the model that does not fit any other way, and its int4 baseline (at full depth it needs
 #     0.97 of the GPU; `--layers N` cuts a model that does not boot):
 #     bash bench/serving_gpu.sh moet -- --shape qwen3-235b-a22b --prefill-tokens 2048

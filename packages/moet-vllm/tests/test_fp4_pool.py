@@ -16,7 +16,7 @@ from moet_kernels.layout import RowLayout
 from moet_kernels.reference import route_reference, tiered_moe_slots_reference
 from moet_vllm.residency.fp4pool import Fp4Pool
 from moet_vllm.residency.fp4tier import Fp4Tier
-from moet_vllm.residency.manager import MoetResidencyError, ResidencyManager
+from moet_vllm.residency.manager import OBSERVE_LAG, MoetResidencyError, ResidencyManager
 
 FP4 = RowLayout(H, INTER, "fp4r")
 
@@ -68,14 +68,42 @@ class Fp4Stack(Stack):
 
 
 def fp4_manager(
-    stack: Fp4Stack, n_fp4: int, n_slots: int = 24, fp4_store=None, hot_path=None, **gate
+    stack: Fp4Stack, n_fp4: int, n_slots: int = L * E, fp4_store=None, hot_path=None, **gate
 ):
+    """A W2 pool of `n_slots` (every expert, preloaded, as `gpu_pool=all` boots: nothing can
+    miss) beside an FP4 pool of `n_fp4`."""
     fp4 = Fp4Pool(FP4, fp4_store or stack.fp4_store(), L, list(range(L)), E, n_fp4, "cpu",
                   hot_path=hot_path)  # fmt: skip
-    return ResidencyManager(
+    mgr = ResidencyManager(
         LAYOUT, list(range(L)), E, n_slots, stack.store(), reduce_max=lambda m: m, kpi_every=0,
         fp4=fp4, **gate,
     )  # fmt: skip
+    if n_slots == L * E:
+        mgr.hold_every_expert()
+    return mgr
+
+
+class Twin:
+    """An Fp4Tier taking the manager's decisions apart from it: fed each decode pass's routing
+    (the manager's routed mask) `lag` passes later, just before that pass runs (0: at once)."""
+
+    def __init__(self, n_fp4: int, lag: int = 0):
+        self.tier, self.lag, self.queue, self.promoted = Fp4Tier(n_fp4, L, E), lag, [], 0
+
+    def before_pass(self) -> None:
+        while self.queue and len(self.queue) >= max(self.lag, 1):
+            keys = self.queue.pop(0)
+            if keys is not None:  # a prefill teaches nothing
+                self.tier.observe(keys, gated=False)
+                plan = self.tier.heat_plan(keys)
+                self.tier.commit(plan)
+                self.promoted += len(plan.fetch_keys)
+
+    def after_pass(self, mgr: ResidencyManager, scan: bool) -> None:
+        o, e = np.nonzero(mgr.routed.numpy())
+        self.queue.append(None if scan else o.astype(np.int64) * E + e)
+        if self.lag == 0:
+            self.before_pass()
 
 
 VOCAB = torch.from_numpy(np.random.default_rng(9).standard_normal((H, 50)).astype(np.float32))
@@ -86,31 +114,37 @@ def logits_of(h: torch.Tensor) -> torch.Tensor:
     return h @ VOCAB
 
 
+@pytest.mark.parametrize("w2_slots", [L * E, 12], ids=["w2-complete", "w2-partial"])
 @pytest.mark.parametrize("backend", ["ram", "pagecache"])
 @pytest.mark.parametrize("n_fp4", [3, 6])
-def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(tmp_path, n_fp4, backend):
+def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(
+    tmp_path, n_fp4, backend, w2_slots
+):
     """From the `ram` host tier the rows are copied from its arena (queued copies), from
-    `pagecache` fetched in batches: the same outputs."""
+    `pagecache` fetched in batches: the same outputs. Beside a W2 pool that can miss, heat
+    decides after each step's last pass (its one sync); beside one of every expert, a pass has
+    no sync and heat learns its routing exactly OBSERVE_LAG passes later."""
     stack = Fp4Stack(n_fp4, tmp_path)
-    mgr = fp4_manager(stack, n_fp4, fp4_store=stack.fp4_store(backend))
+    mgr = fp4_manager(stack, n_fp4, w2_slots, fp4_store=stack.fp4_store(backend))
     assert (mgr.fp4.host_rows is not None) == (backend == "ram")
-    twin = Fp4Tier(n_fp4, L, E)  # the same decisions, taken apart from the manager
-    promoted = 0
-    for x, scan in steps(n_fp4, 40):
-        want = stack.expected(x, twin.resident.copy())
+    reads = []  # the passes' one sync each, where a W2 pool can miss
+    read_counters = mgr._read_counters
+    mgr._read_counters = lambda: reads.append(1) or read_counters()
+    twin = Twin(n_fp4, lag=OBSERVE_LAG if w2_slots == L * E else 0)
+    n = 0
+    for n, (x, scan) in enumerate(steps(n_fp4, 40), 1):
+        twin.before_pass()
+        want = stack.expected(x, twin.tier.resident.copy())
         got = mgr.run_forward(
             lambda x=x, eager=False: stack.forward(x, mgr), scan=scan, n_real=x.shape[0]
         )
         assert torch.equal(got, want)
-        if not scan:  # the step's routing, from the manager's own routed mask
-            o, e = np.nonzero(mgr.routed.numpy())
-            keys = o.astype(np.int64) * E + e
-            twin.observe(keys, gated=False)
-            plan = twin.heat_plan(keys)
-            twin.commit(plan)
-            promoted += len(plan.fetch_keys)
-        assert np.array_equal(twin.resident, mgr.fp4.tier.resident)
-        assert np.array_equal(mgr.fp4.table.numpy() >= 0, twin.resident)
+        twin.after_pass(mgr, scan)
+        if twin.lag == 0:
+            assert np.array_equal(twin.tier.resident, mgr.fp4.tier.resident)
+            assert np.array_equal(mgr.fp4.table.numpy() >= 0, twin.tier.resident)
+    assert len(reads) >= n if w2_slots < L * E else not reads
+    promoted = twin.promoted
     assert promoted >= n_fp4  # the pool filled
     if n_fp4 == 6:  # and swapped by heat (3 slots hold their hot pairs past the swap margin)
         assert promoted > n_fp4
@@ -140,7 +174,8 @@ def test_a_failed_fp4_fetch_fails_the_step_and_publishes_nothing(tmp_path):
     mgr = fp4_manager(stack, 4, fp4_store=bad)
     x = torch.randn(1, H)
     with pytest.raises(MoetResidencyError, match="FP4 experts from the pack files failed 3 times"):
-        mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1)
+        for _ in range(OBSERVE_LAG + 1):  # the pass that applies the first one's heat fails
+            mgr.run_forward(lambda eager=False: stack.forward(x, mgr), n_real=1)
     assert bool((mgr.fp4.table < 0).all())  # an FP4 row half-read is never served
     assert not mgr.fp4.tier.resident.any()
 
@@ -261,13 +296,13 @@ def test_an_auto_fp4_pool_takes_what_the_w2_pool_leaves_up_to_its_cap(tmp_path, 
     monkeypatch.setattr(sizing, "free_bytes", lambda device: 100 * row)
     residency.size_auto_pool()
     assert again.fp4.n_slots == 6
-    twin = Fp4Tier(6, L, E)
+    twin = Twin(6, lag=OBSERVE_LAG)  # (the W2 pool holds every expert: no pass syncs)
     for x, scan in steps(9, 20):
-        want = stack.expected(x, twin.resident.copy())
+        twin.before_pass()
+        want = stack.expected(x, twin.tier.resident.copy())
         got = again.run_forward(lambda x=x, eager=False: stack.forward(x, again), scan=scan,
                                 n_real=len(x))  # fmt: skip
         assert torch.equal(got, want)
-        if not scan:
-            twin.observe(stack.keys, False)
-            twin.commit(twin.heat_plan(stack.keys))
+        twin.after_pass(again, scan)
+    assert twin.promoted > 0
     again.close()

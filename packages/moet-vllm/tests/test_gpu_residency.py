@@ -2,8 +2,9 @@
 the serving `ResidencyManager` over a moet-store host tier, with moet-kernels' op in a CUDA graph
 as the forward pass (3 MoE layers x 32 experts, top-4, hidden 512, intermediate 256: the pool
 holds every expert, so no step misses). A miss-free step costs one device-to-host sync, the miss
-counter's; the predicted fetch's cost is measured against it. The FP4 pool's promotions from a
-`ram` FP4 pack are copies queued from its pinned arena, without a sync."""
+counter's; the predicted fetch's cost is measured against it; a pool held whole (`gpu_pool=all`
+beside an FP4 tier) costs none. The FP4 pool's promotions from a `ram` FP4 pack are copies queued
+from its pinned arena, without a sync."""
 
 from __future__ import annotations
 
@@ -19,15 +20,16 @@ from moet_kernels.layout import NativeRowLayout, RowLayout
 from moet_kernels.ops import w2_moe_slots
 from moet_kernels.testing import random_scales
 from moet_vllm.residency.fp4pool import Fp4Pool
-from moet_vllm.residency.manager import ResidencyManager
+from moet_vllm.residency.manager import OBSERVE_LAG, ResidencyManager
 
 pytestmark = pytest.mark.gpu
 H, INTER, L, E, K = 512, 256, 3, 32, 4
 STEPS = 50
 
 
-def manager(tmp_path, predict: bool) -> ResidencyManager:
-    """A pool of every (layer, expert) over packs of random rows (trained-shaped scales)."""
+def manager(tmp_path, predict: bool, fp4: Fp4Pool | None = None) -> ResidencyManager:
+    """A pool of every (layer, expert) over packs of random rows (trained-shaped scales),
+    preloaded."""
     lay = NativeRowLayout(H, INTER)
     spec = moet_store.PackSpec("w2", 0, 0, L, E, lay.row_bytes, {"test": "syncs"})
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -43,7 +45,7 @@ def manager(tmp_path, predict: bool) -> ResidencyManager:
     store = moet_store.open_store(tmp_path, spec, backend="ram")
     mgr = ResidencyManager(
         lay, list(range(L)), E, L * E, store, kpi_every=0, predict=predict, device="cuda",
-        reduce_max=int,
+        reduce_max=int, fp4=fp4,
     )  # fmt: skip
     mgr.preload(np.arange(L * E))
     return mgr
@@ -147,6 +149,40 @@ def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_pat
         f"per miss-free step: on demand {syncs / STEPS:.0f} sync, {us:.1f} us; predicting "
         f"{(p_syncs + p_implicit) / STEPS:.1f} syncs, {p_us:.1f} us ({p_us / us:.2f}x)"
     )
+
+
+def test_a_pool_held_whole_beside_the_fp4_tier_runs_its_steps_without_a_sync(tmp_path):
+    """`gpu_pool=all` with the FP4 tier and the gate off (`hold_every_expert`): no pass can
+    miss, so no pass syncs; the FP4 tier learns each pass's routing OBSERVE_LAG passes later
+    (its routed mask copied back with an event) and promotes by heat, copies queued from the
+    pinned FP4 arena. Its time per step is printed beside the same pool merely preloaded (one
+    sync a step)."""
+    syncing = manager(tmp_path / "a", predict=False)
+    _, _, us_sync = run(syncing, Graph(syncing))
+    lay = RowLayout(H, INTER, "fp4r")
+    rng = np.random.default_rng(1)
+    spec = moet_store.PackSpec("fp4r", 0, 0, L, E, lay.row_bytes, {"test": "no sync"})
+    (tmp_path / "fp4").mkdir()
+    with moet_store.open_pack_for_write(tmp_path / "fp4", spec) as writer:
+        for layer in range(L):
+            writer.write_layer(layer, rng.integers(0, 256, (E, lay.row_bytes), dtype=np.uint8))
+    n_fp4 = 8
+    fp4 = Fp4Pool(lay, moet_store.open_store(tmp_path / "fp4", spec, backend="ram"), L,
+                  list(range(L)), E, n_fp4, "cuda")  # fmt: skip
+    whole = manager(tmp_path / "b", predict=False, fp4=fp4)
+    whole.hold_every_expert()
+    graph = Graph(whole)
+    syncs, implicit, us = run(whole, graph)
+    assert (syncs, implicit) == (0, 0), (syncs, implicit)
+    assert fp4.tier.counters.steps == STEPS - OBSERVE_LAG  # the last passes are on their way
+    routed = {layer * E + int(e) for layer in range(L) for e in graph.ids[layer].flatten()}
+    held = set(np.flatnonzero(fp4.tier.resident).tolist())
+    assert len(held) == min(n_fp4, len(routed)) and held <= routed
+    assert np.array_equal(fp4.table.cpu().numpy() >= 0, fp4.tier.resident)
+    assert whole.counters.steps == STEPS and whole.counters.replayed_steps == 0
+    print(f"per step: pool held whole beside the FP4 tier {us:.1f} us, no sync; preloaded, "
+          f"one sync {us_sync:.1f} us")  # fmt: skip
+    whole.close()
 
 
 def test_fp4_promotions_are_queued_copies_from_the_pinned_arena(tmp_path):

@@ -4,7 +4,6 @@ hooks that size a `gpu_pool=auto` pool before any CUDA graph is captured."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .. import compat
@@ -80,7 +79,7 @@ def start_residency(
         gate_tau=cfg.gate_tau,
     )
     if cfg.gpu_pool == "all":  # every W2 expert resident (a manager for the FP4 tier): filled now
-        mgr.preload(np.arange(n_tiered_keys))
+        mgr.hold_every_expert()
     if cfg.gpu_pool == "auto":
         mgr.auto = AutoPool(int(cfg.pool_reserve_gib * GIB), floor, cfg.below_floor_ok)
     if cfg.gpu_pool == "auto" or (fp4 is not None and fp4.auto_cap is not None):

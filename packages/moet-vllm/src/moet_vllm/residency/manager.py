@@ -29,10 +29,15 @@ memory, so the route op computes an expert the pool lacks from its host row (`ho
 asynchronous scheduling keeps its overlap). The pass's routed mask comes back asynchronously;
 the first later step that finds it arrived has the policy promote those experts into the pool,
 by copies queued on the stream before its own pass (so every pass reads the rows it was meant to).
+A pool that holds every expert (`gpu_pool=all` with an FP4 tier: `hold_every_expert`) cannot miss
+either, and runs the same way: one pass, no sync.
 
 The FP4 tier (`fp4`, a `fp4pool.Fp4Pool`, with `fp4_tier`): the op prefers an expert's FP4 slot
-over its W2 slot; after each decode step (its final pass, or its routed mask arriving when reading
-in place) the FP4 pool learns the step's routing and promotes by heat. A prefill never changes it.
+over its W2 slot; after each decode step the FP4 pool learns the step's routing and promotes by
+heat: from its final pass's counters, or, where nothing can miss and the gate is off, from its
+routed mask OBSERVE_LAG passes later (exactly then, so that outputs do not depend on the device's
+timing). With the gate on, a decode step syncs for its confidence and the tier decides at once. A
+prefill never changes the FP4 pool.
 """
 
 from __future__ import annotations
@@ -100,13 +105,18 @@ class LayerTiers:
         return [t for t in (self.fp4, self.device, self.host) if t is not None]
 
 
-RETURN_RING = 4  # reading in place: passes whose routed masks may be on their way back at once
+RETURN_RING = 4  # passes observed later: routed masks that may be on their way back at once
+# with an FP4 tier, whose heat decisions change what the next passes compute, a pass observed
+# later is observed exactly this many passes later (waited for if the device is that far behind),
+# so that the outputs do not depend on the device's timing
+OBSERVE_LAG = 2
 
 
 @dataclass
 class _Returning:
-    """Reading in place: one pass's routed mask on its way back to the host."""
+    """A pass observed later: its routed mask on its way back to the host."""
 
+    index: int  # the pass's number among the passes observed later
     event: torch.cuda.Event | None  # recorded after the pass's copies (None on the CPU)
     scan: bool  # a prefill pass
     miss: torch.Tensor  # the ring's pinned buffers the copies land in
@@ -116,6 +126,10 @@ class _Returning:
 
     def arrived(self) -> bool:
         return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 @dataclass
@@ -204,18 +218,20 @@ class ResidencyManager:
         self.reserve_bytes = 0  # an auto pool (W2 or FP4): device memory it leaves to the KV cache
         self._fp4_auto: tuple[int, int] | None = None  # fp4_pool=auto on CUDA: (slots, budget)
         self._pinned_host = pin_host_memory(self.store, self.device)
-        # reading in place: the host tier's rows as a pool the op reads, and the passes whose
-        # routed masks are on their way back (oldest first: `_Returning`), in a ring of pinned
-        # buffers deep enough for vLLM's asynchronous scheduling (a pass or two ahead)
+        # reading in place: the host tier's rows as a pool the op reads; passes observed later
+        # (reading in place, or a pool of every expert): their routed masks on their way back
+        # (oldest first: `_Returning`), in a ring of pinned buffers deep enough for vLLM's
+        # asynchronous scheduling (a pass or two ahead)
         self.host_pool: torch.Tensor | None = None
         self.host_table: torch.Tensor | None = None
         self._returning: collections.deque[_Returning] = collections.deque()
         self._ring = [
             (torch.zeros(1, dtype=torch.int32, pin_memory=pin),
              torch.zeros(len(self.moe_layers), n_experts, dtype=torch.uint8, pin_memory=pin))
-            for _ in range(RETURN_RING if read_in_place else 0)
+            for _ in range(RETURN_RING)
         ]  # fmt: skip
         self._ring_next = 0
+        self.holds_every_expert = False  # hold_every_expert()
         if read_in_place:
             self._map_host_rows()
         self._allocate(n_slots)
@@ -373,6 +389,14 @@ class ResidencyManager:
         apply_plan(plan, self.slot_table, self.tiered, self.n_experts, self._copy_rows,
                    lambda p: self.policy.commit(p, scan), self.policy.commit)  # fmt: skip
 
+    def hold_every_expert(self) -> None:
+        """`gpu_pool=all`: every tiered expert preloaded, for good, on every TP rank alike, so no
+        pass can miss and none needs the ranks' miss consensus (`_run_once`)."""
+        if self.n_slots < self.policy.n_keys:
+            raise ValueError(f"a pool of {self.n_slots} slots, {self.policy.n_keys} experts")
+        self.preload(np.arange(self.policy.n_keys))
+        self.holds_every_expert = True
+
     def preload(self, keys: np.ndarray) -> int:
         """Warm start: the persisted hot set (flat policy keys, hottest first) into free slots."""
         plan = self.policy.plan_preload(keys)
@@ -407,8 +431,8 @@ class ResidencyManager:
         self.n_real_tokens = n_real
         self.n_real.fill_(2**31 - 1 if n_real is None else n_real)
         self._apply_tuning()
-        if self.host_pool is not None:
-            return self._run_in_place(forward, scan, logits_of)
+        if self.host_pool is not None or self.holds_every_expert:
+            return self._run_once(forward, scan, logits_of)
         c = self.counters
         self._token_ids = None
         if token_ids is not None and self.policy.predicts:
@@ -496,10 +520,11 @@ class ResidencyManager:
         o, e = np.nonzero(self.routed.cpu().numpy()[self.tiered])
         return o.astype(np.int64) * self.n_experts + e
 
-    def _run_in_place(self, forward, scan: bool, logits_of=None):
-        """One pass: what the pool lacks is read from host memory in place (nothing misses).
-        Each pass's routed mask comes back asynchronously (a ring buffer's pinned copies and an
-        event); the next steps that find masks arrived promote (`_promote_arrived`)."""
+    def _run_once(self, forward, scan: bool, logits_of=None):
+        """One pass, where nothing can miss: the pool holds every expert, or what it lacks is
+        read from host memory in place. Its routed mask comes back asynchronously (a ring
+        buffer's pinned copies and an event), observed by a later step (`_promote_arrived`), so
+        the pass costs no sync unless the confidence gate reads its logits."""
         self._promote_arrived()
         self.miss_count.zero_()
         self.routed.zero_()
@@ -518,7 +543,7 @@ class ResidencyManager:
         if len(self._returning) < len(self._ring):
             cuda = self.device.type == "cuda"
             miss, routed = self._ring[self._ring_next % len(self._ring)]  # FIFO: free now
-            self._ring_next += 1
+            index, self._ring_next = self._ring_next, self._ring_next + 1
             miss.copy_(self.miss_count, non_blocking=cuda)
             routed.copy_(self.routed, non_blocking=cuda)
             event = None
@@ -527,23 +552,34 @@ class ResidencyManager:
                 event.record(torch.cuda.current_stream(self.device))
             # the pool as this pass read it: what it lacked was read in place
             resident = self.policy.slot_table.ravel() >= 0
-            self._returning.append(_Returning(event, scan, miss, routed, resident, fp4_now))
+            self._returning.append(
+                _Returning(index, event, scan, miss, routed, resident, fp4_now)
+            )
         # else the ring is full (the device is that far behind): this pass goes unobserved
         self._end_step()
         return out
 
     def _promote_arrived(self) -> None:
-        """For each pass whose routed mask arrived, oldest first: count what it read from host
-        memory, and have the policy promote the hottest of it over colder keys (a decode pass:
-        `plan_promotion`, at most PROMOTE_ROWS_PER_PASS rows; a prefill: free and probation slots,
-        as after a miss); copies queued on the stream, no wait."""
+        """For each pass whose routed mask arrived, oldest first (with an FP4 tier: each pass
+        OBSERVE_LAG passes later, waited for): count what it read from host memory, and have
+        the policy promote the hottest of it over colder keys (a decode pass: `plan_promotion`,
+        at most PROMOTE_ROWS_PER_PASS rows; a prefill: free and probation slots, as after a
+        miss), and the FP4 tier learn; copies queued on the stream, no wait."""
         c = self.counters
-        while self._returning and self._returning[0].arrived():
-            r = self._returning.popleft()
-            if int(r.miss[0]):  # every row is in the host tier: a miss is a broken table
+        lagged = self.fp4 is not None
+        while self._returning:
+            r = self._returning[0]
+            if lagged and self._ring_next - r.index < OBSERVE_LAG:
+                break
+            if lagged:
+                r.wait()
+            elif not r.arrived():
+                break
+            self._returning.popleft()
+            if int(r.miss[0]):  # nothing could miss: a miss is a broken table
                 raise MoetResidencyError(
                     f"moet: {int(r.miss[0])} routed experts had neither a pool slot nor a host "
-                    "row while reading in place; refusing to serve zeroed experts"
+                    "row in a pass that could not miss; refusing to serve zeroed experts"
                 )
             o, e = np.nonzero(r.routed.numpy()[self.tiered])
             keys = o.astype(np.int64) * self.n_experts + e
