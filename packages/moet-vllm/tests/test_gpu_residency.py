@@ -149,6 +149,9 @@ def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_pat
         f"per miss-free step: on demand {syncs / STEPS:.0f} sync, {us:.1f} us; predicting "
         f"{(p_syncs + p_implicit) / STEPS:.1f} syncs, {p_us:.1f} us ({p_us / us:.2f}x)"
     )
+    # unregistered before their stores free the memory (else a later store's arena at the same
+    # address fails cudaHostRegister, "already mapped", and the next CUDA call reports it)
+    on_demand.close(), predicting.close()
 
 
 def test_a_pool_held_whole_beside_the_fp4_tier_runs_its_steps_without_a_sync(tmp_path):
@@ -159,6 +162,7 @@ def test_a_pool_held_whole_beside_the_fp4_tier_runs_its_steps_without_a_sync(tmp
     sync a step)."""
     syncing = manager(tmp_path / "a", predict=False)
     _, _, us_sync = run(syncing, Graph(syncing))
+    syncing.close()
     lay = RowLayout(H, INTER, "fp4r")
     rng = np.random.default_rng(1)
     spec = moet_store.PackSpec("fp4r", 0, 0, L, E, lay.row_bytes, {"test": "no sync"})
