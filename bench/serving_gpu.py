@@ -269,9 +269,7 @@ def fp4_variant(text: str) -> dict | None:
         except ValueError:
             tau = -1.0
         if not tau >= 0:
-            raise SystemExit(
-                f"--fp4 {text}: expected off or POOL[/gate=TAU|off] (TAU >= 0, nats)"
-            )
+            raise SystemExit(f"--fp4 {text}: expected off or POOL[/gate=TAU|off] (TAU >= 0, nats)")
     return {"pool": pool, "gate_tau": tau}
 
 

@@ -131,8 +131,9 @@ def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(
     read_counters = mgr._read_counters
     mgr._read_counters = lambda: reads.append(1) or read_counters()
     twin = Twin(n_fp4, lag=OBSERVE_LAG if w2_slots == L * E else 0)
-    n = 0
-    for n, (x, scan) in enumerate(steps(n_fp4, 40), 1):
+    passes = 0
+    for x, scan in steps(n_fp4, 40):
+        passes += 1
         twin.before_pass()
         want = stack.expected(x, twin.tier.resident.copy())
         got = mgr.run_forward(
@@ -143,7 +144,7 @@ def test_each_step_runs_the_fp4_rows_the_tier_holds_and_w2_elsewhere(
         if twin.lag == 0:
             assert np.array_equal(twin.tier.resident, mgr.fp4.tier.resident)
             assert np.array_equal(mgr.fp4.table.numpy() >= 0, twin.tier.resident)
-    assert len(reads) >= n if w2_slots < L * E else not reads
+    assert len(reads) >= passes if w2_slots < L * E else not reads
     promoted = twin.promoted
     assert promoted >= n_fp4  # the pool filled
     if n_fp4 == 6:  # and swapped by heat (3 slots hold their hot pairs past the swap margin)

@@ -552,9 +552,7 @@ class ResidencyManager:
                 event.record(torch.cuda.current_stream(self.device))
             # the pool as this pass read it: what it lacked was read in place
             resident = self.policy.slot_table.ravel() >= 0
-            self._returning.append(
-                _Returning(index, event, scan, miss, routed, resident, fp4_now)
-            )
+            self._returning.append(_Returning(index, event, scan, miss, routed, resident, fp4_now))
         # else the ring is full (the device is that far behind): this pass goes unobserved
         self._end_step()
         return out
