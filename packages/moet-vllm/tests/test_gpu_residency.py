@@ -20,7 +20,12 @@ from moet_kernels.layout import NativeRowLayout, RowLayout
 from moet_kernels.ops import w2_moe_slots
 from moet_kernels.testing import random_scales
 from moet_vllm.residency.fp4pool import Fp4Pool
-from moet_vllm.residency.manager import OBSERVE_LAG, ResidencyManager
+from moet_vllm.residency.manager import (
+    OBSERVE_LAG,
+    ResidencyManager,
+    pin_host_memory,
+    unpin_host_memory,
+)
 
 pytestmark = pytest.mark.gpu
 H, INTER, L, E, K = 512, 256, 3, 32, 4
@@ -83,52 +88,45 @@ class Graph:
 
 
 class CountedSyncs:
-    """Counts explicit stream syncs (torch.cuda.Stream.synchronize) inside the block."""
+    """Counts the syncs inside the block: explicit stream syncs (torch.cuda.Stream.synchronize,
+    `n`; torch.cuda.synchronize() is not one) and the implicit ones torch's sync debug mode flags
+    (`implicit`: a pageable copy, an .item(), ...)."""
 
     def __enter__(self):
         self.n, self._original = 0, torch.cuda.Stream.synchronize
 
-        def counted(stream):
+        def counted(stream):  # counted here, not flagged again by the debug mode
             self.n += 1
-            return self._original(stream)
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return self._original(stream)
+            finally:
+                torch.cuda.set_sync_debug_mode("warn")
 
         torch.cuda.Stream.synchronize = counted
+        self._caught = warnings.catch_warnings(record=True)
+        self._warnings = self._caught.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode("default")
         torch.cuda.Stream.synchronize = self._original
+        self._caught.__exit__(*exc)
+        self.implicit = sum("synchroniz" in str(w.message) for w in self._warnings)
 
 
 def run(mgr, graph, token_ids=None) -> tuple[int, int, float]:
     """STEPS decode steps -> (explicit stream syncs, implicit syncs torch flagged, us/step)."""
-    explicit = 0
-    original = torch.cuda.Stream.synchronize
-
-    def counted(stream):  # an explicit sync, which torch's sync debug mode would flag too
-        nonlocal explicit
-        explicit += 1
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return original(stream)
-        finally:
-            torch.cuda.set_sync_debug_mode("warn")
-
-    torch.cuda.Stream.synchronize = counted
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(STEPS):
-                mgr.run_forward(graph.forward, n_real=1, token_ids=token_ids)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-        torch.cuda.Stream.synchronize = original
-    implicit = sum("synchroniz" in str(w.message) for w in caught)
-    return explicit, implicit, 1e6 * seconds / STEPS
+    with CountedSyncs() as syncs:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(STEPS):
+            mgr.run_forward(graph.forward, n_real=1, token_ids=token_ids)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    return syncs.n, syncs.implicit, 1e6 * seconds / STEPS
 
 
 def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_path):
@@ -216,6 +214,7 @@ def test_fp4_promotions_are_queued_copies_from_the_pinned_arena(tmp_path):
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
             assert (syncs.n == 0) == (backend == "ram"), (backend, syncs.n)
+            assert syncs.implicit == 0, (backend, syncs.implicit)  # the table published queued
             table = fp4.table.cpu().numpy()
             for key in keys:
                 layer, e = divmod(int(key), n_exp)
@@ -228,3 +227,28 @@ def test_fp4_promotions_are_queued_copies_from_the_pinned_arena(tmp_path):
         f"16 FP4 rows of {lay.row_bytes / 1e6:.1f} MB: queued from the pinned arena "
         f"{rate['ram']:.1f} GB/s, fetched from pagecache and waited for {rate['pagecache']:.1f} GB/s"
     )
+
+
+def test_a_failed_pinning_warns_and_leaves_cuda_usable(tmp_path, caplog):
+    """Registering an arena CUDA already holds fails (712, already registered): the store is
+    named in a warning, served unpinned, and the runtime's last error is cleared, so the next
+    kernel launch does not report it as its own failure (run 14: the next pool's allocation)."""
+    lay = RowLayout(H, INTER, "fp4r")
+    spec = moet_store.PackSpec("fp4r", 0, 0, 1, 2, lay.row_bytes, {"test": "pinned twice"})
+    with moet_store.open_pack_for_write(tmp_path, spec) as writer:
+        writer.write_layer(0, np.zeros((2, lay.row_bytes), dtype=np.uint8))
+    store = moet_store.open_store(tmp_path, spec, backend="ram")
+    first = pin_host_memory(store, "cuda")
+    try:
+        assert store.arena_address in first
+        with caplog.at_level("WARNING", logger="vllm.moet"):
+            again = pin_host_memory(store, "cuda")
+        assert store.arena_address not in again
+        assert "pinning the host tier's arena" in caplog.text and str(tmp_path) in caplog.text
+        x = torch.zeros(4, device="cuda") + 1  # a kernel launch, checked by torch
+        torch.cuda.synchronize()
+        assert x.sum().item() == 4
+        unpin_host_memory(again)
+    finally:
+        unpin_host_memory(first)
+        store.close()

@@ -720,8 +720,10 @@ def apply_plan(plan, table, tiered, n_experts, copy_rows, commit, commit_evictio
     the fetched rows copied (`copy_rows(keys, slots)`), their slots published, `commit(plan)`.
     A failed copy publishes nothing fetched; the victims' slots may hold part of a new row, so
     they leave the pool (`commit_evictions` of them alone) and the error goes on."""
+    # fill_, not item assignment: `table[o, e] = v` on a GPU copies a pageable host scalar and
+    # syncs, once per entry, where a pass that cannot miss must not sync at all
     for o, e in key_pairs(plan.evict_keys, n_experts):
-        table[tiered[o], e] = -1
+        table[tiered[o], e].fill_(-1)
     fetch = [(tiered[o], int(e)) for o, e in key_pairs(plan.fetch_keys, n_experts)]
     try:
         if fetch:
@@ -732,7 +734,7 @@ def apply_plan(plan, table, tiered, n_experts, copy_rows, commit, commit_evictio
                                   version=plan.version))  # fmt: skip
         raise
     for (o, e), slot in zip(fetch, plan.fetch_slots, strict=True):
-        table[o, e] = int(slot)
+        table[o, e].fill_(int(slot))
     commit(plan)
 
 
@@ -782,16 +784,29 @@ def pin_host_memory(store, device) -> list[int]:
         rc = cudart.cudaHostRegister(addr, size, HOST_REGISTER_MAPPED)
         if int(rc) == 0:
             pinned.append(addr)
-        else:
-            log.warning(
-                "moet: pinning the host tier's %s of %s (%d bytes) failed (CUDA error %s); its "
-                "rows are copied synchronously",
-                what,
-                getattr(store, "path", "a store"),
-                size,
-                int(rc),
-            )
+            continue
+        clear_last_cuda_error()
+        log.warning(
+            "moet: pinning the host tier's %s of %s (%d bytes) failed (CUDA error %d: %s); its "
+            "rows are copied synchronously",
+            what,
+            getattr(store, "path", "a store"),
+            size,
+            int(rc),
+            cudart.cudaGetErrorString(rc),
+        )
     return pinned
+
+
+def clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error. A failed cudaHostRegister (e.g. 712, memory already
+    registered) leaves it set, and torch's next kernel-launch check would raise it as that
+    kernel's own failure. Called through the runtime torch loaded (found in the process's
+    mappings), not some other copy on the library path."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    for path in sorted(paths):
+        ctypes.CDLL(path).cudaGetLastError()
 
 
 def unpin_host_memory(addresses: list[int]) -> None:
