@@ -93,6 +93,19 @@ def test_confidence_is_the_top_probability_or_the_top_two_margin():
         confidence(logits, "entropy")
 
 
+def test_the_gate_scales_tau_by_the_share_of_the_steps_pairs_at_w2():
+    """A step whose routed pairs all hold FP4 rows never replays (it would compute the same);
+    with half of them at W2 the threshold is half of tau; repeated keys count once."""
+    tier = Fp4Tier(4, 2, 8)
+    tier.commit(tier.policy.plan(np.array([0, 1, 2, 3])))
+    assert tier.w2_share(np.array([0, 1, 1, 2])) == 0.0
+    assert not tier.gates(0.0, np.array([0, 1, 1, 2]), 1e9)
+    half = np.array([0, 1, 8, 9, 9])
+    assert tier.w2_share(half) == 0.5
+    assert tier.gates(0.49, half, 1.0) and not tier.gates(0.5, half, 1.0)
+    assert tier.gates(0.99, np.array([10, 11]), 1.0) and not tier.gates(1.0, np.array([10]), 1.0)
+
+
 # --- the simulation -------------------------------------------------------------------------------
 
 
@@ -130,14 +143,16 @@ def test_decoding_token_by_token_without_a_pool_is_the_w2_models_forward(sim):
 
 def test_the_gate_replays_the_steps_below_tau_and_fp4_lowers_the_loss(sim):
     """A pool of 25%: without the gate nothing replays, and the pool's FP4 rows alone lower the
-    loss below bare W2's; with tau = 0.5 exactly the steps whose first pass was below it replay,
-    and the loss falls further, towards all-FP4's."""
+    loss below bare W2's; with tau = 0.5 exactly the steps whose first pass's confidence was
+    below it times the share of its routed pairs at W2 replay, and the loss falls further,
+    towards all-FP4's."""
     bare = run(sim, GateConfig(0.0, 0.0))
     heat = run(sim, GateConfig(0.25, 0.0))
     gate = run(sim, GateConfig(0.25, 0.5))
     _, fp4_nll = _teacher_forced(sim["fp4"], sim["tokens"], sim["wins"])
     assert not heat["gated"].any() and heat["promotions"] > 0
-    assert np.array_equal(gate["gated"], gate["conf"] < 0.5) and gate["gated"].any()
+    assert np.array_equal(gate["gated"], gate["conf"] < 0.5 * gate["w2_share"])
+    assert gate["gated"].any() and (gate["w2_share"] < 1).any()  # the pool scaled some steps
     assert fp4_nll.mean() < gate["nll"].mean() < heat["nll"].mean() < bare["nll"].mean()
 
 

@@ -184,7 +184,8 @@ def test_a_failed_fp4_fetch_fails_the_step_and_publishes_nothing(tmp_path):
 @pytest.mark.parametrize("in_place", [False, True], ids=["replay", "in-place"])
 @pytest.mark.parametrize("tau", [0.0, 10.0, 1e9])
 def test_the_gate_replays_a_step_below_tau_with_its_routed_experts_at_fp4(tmp_path, tau, in_place):
-    """margin >= 0 always: tau 0 never gates, 1e9 gates every decode step, 10 some. A gated
+    """margin >= 0 always: tau 0 never gates, 1e9 every decode step with a pair at W2, 10 some
+    (below tau times that share of the step's pairs). A gated
     step's output is the second pass's, with the first pass's routed pairs promoted; reading in
     place (a W2 pool of 4 slots: most rows read from host memory), the same decisions."""
     from moet_vllm.residency.fp4tier import confidence
@@ -196,7 +197,8 @@ def test_the_gate_replays_a_step_below_tau_with_its_routed_experts_at_fp4(tmp_pa
     gated = decode = 0
     for x, scan in steps(5, 30):
         want = stack.expected(x, twin.resident.copy())
-        fires = not scan and bool(confidence(logits_of(want), "margin").min() < tau)
+        w2 = ~twin.resident.ravel()[np.unique(stack.keys)]  # the step's pairs outside the pool
+        fires = not scan and bool(confidence(logits_of(want), "margin").min() < tau * w2.mean())
         if fires:
             twin.commit(twin.gate_plan(stack.keys))
             want = stack.expected(x, twin.resident.copy())

@@ -12,8 +12,9 @@ final, so the simulation decodes token by token, teacher-forced, as batch 1 woul
   the second; windows of the token file are consecutive requests (a fresh KV cache each, the pool
   kept);
 * a step: one token through the model with the KV cache; its confidence from the logits; gated
-  (confidence < tau): the routed pairs enter the pool, the cache drops the step, the step runs
-  again and its logits are final; then the tier observes the final routing and promotes by heat.
+  (confidence < tau x the share of its routed pairs at W2, `Fp4Tier.gates`): the routed pairs
+  enter the pool, the cache drops the step, the step runs again and its logits are final; then
+  the tier observes the final routing and promotes by heat.
 
 Reported per configuration (pool share, tau): next-token loss and its paired-bootstrap difference
 from bf16 (moet_quant.quality.bootstrap over windows), greedy agreement with bf16 and with
@@ -165,7 +166,8 @@ class _Decisions:
         if not decode:
             return logits, None, False
         c = float(confidence(logits, self.cfg.metric))
-        gated = self.tier is not None and c < self.cfg.tau
+        self.w2_share = self.tier.w2_share(self.experts.keys()) if self.tier is not None else 1.0
+        gated = self.tier is not None and self.tier.gates(c, self.experts.keys(), self.cfg.tau)
         if gated:
             self._apply(self.tier.gate_plan(self.experts.keys()))
             cache.crop(-ids.shape[1])
@@ -188,7 +190,7 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress)
 
     sim = _Decisions(model, experts, cfg)
     n = tokens.size - 1
-    top, nll, conf = np.empty(n, np.int64), np.empty(n), np.empty(n)
+    top, nll, conf, share = np.empty(n, np.int64), np.empty(n), np.empty(n), np.empty(n)
     gated = np.zeros(n, bool)
     with torch.no_grad():
         for s, w in wins:
@@ -196,6 +198,7 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress)
             for t in range(s, s + w):
                 x = torch.tensor([[int(tokens[t])]])
                 logits, conf[t], gated[t] = sim.step(x, cache)
+                share[t] = sim.w2_share
                 lp = torch.log_softmax(logits.double(), -1)
                 top[t] = int(lp.argmax())
                 nll[t] = -float(lp[int(tokens[t + 1])])
@@ -206,6 +209,7 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress)
         "top": top,
         "nll": nll,
         "conf": conf,
+        "w2_share": share,  # of the first pass's routed pairs, outside the pool
         "gated": gated,
         "slots": sim.n_slots,
         "promotions": c.promotions if c else 0,

@@ -12,9 +12,13 @@ rules, both applied between forward passes:
   swapping rows: on simulated routing (uniform or Zipf, batch 1 and 8, a 25% pool) 2 sigmas cut
   the promotions from ~4 a step to 0.03-0.75 with the same hit rate or a higher one, and each
   promotion is an FP4 row over PCIe;
-- **the gate**: when the step's token is not confident (`confidence(...) < tau`), every pair the
-  step routed enters the pool (the coldest others leave) and the step runs again; that second
-  pass is final (at most one gate replay a step).
+- **the gate**: when the step's token is not confident enough for the W2 it ran (`confidence`
+  below tau times the share of the step's routed pairs outside the pool, `Fp4Tier.gates`), every
+  pair the step routed enters the pool (the coldest others leave) and the step runs again; that
+  second pass is final (at most one gate replay a step). Scaling tau by the W2 share spends the
+  replays where W2 moved the token most, and never on a step whose experts all ran at FP4
+  already (its replay would compute the same): on the fixture, at the same share of steps
+  replayed, it buys a lower loss than confidence alone (docs/quality.md).
 
 The slots are a :class:`~moet_vllm.residency.policy.ResidencyPolicy` (decayed frequency, the W2
 pool's), so the serving runner and the quality simulation (moet_vllm.gate_eval) take the same
@@ -80,6 +84,16 @@ class Fp4Tier:
     def resident(self) -> np.ndarray:
         """bool [moe_layers, n_experts]: the pairs the pool holds."""
         return self.policy.slot_table >= 0
+
+    def w2_share(self, routed: np.ndarray) -> float:
+        """The share of the distinct pairs of `routed` (flat keys of a pass) outside the pool."""
+        keys = np.unique(np.asarray(routed, dtype=np.int64))
+        return float(np.count_nonzero(self.policy.slot_table.ravel()[keys] < 0)) / max(len(keys), 1)
+
+    def gates(self, conf: float, routed: np.ndarray, tau: float) -> bool:
+        """The gate's rule: whether a pass that routed `routed` and whose least confident real
+        token has confidence `conf` replays (see the module doc)."""
+        return bool(conf < tau * self.w2_share(routed))
 
     def gate_plan(self, routed: np.ndarray) -> Plan:
         """Every pair of `routed` (flat keys of the step) into the pool, for the gate's replay (as

@@ -450,7 +450,7 @@ class ResidencyManager:
         out, keys, missed_first = self._until_resident(forward, scan)
         c.replayed_steps += missed_first > 0
         c.missing_pairs += missed_first
-        gated = not scan and self._gates(out, logits_of)
+        gated = not scan and self._gates(out, logits_of, keys)
         if gated:  # the step's routed experts to FP4, and the step once more: that pass is final
             self.fp4.gate(keys)
             out, keys, _ = self._until_resident(forward, scan)
@@ -503,9 +503,10 @@ class ResidencyManager:
     def _gate_on(self, logits_of) -> bool:
         return self.fp4 is not None and bool(self.gate) and logits_of is not None
 
-    def _gates(self, out, logits_of) -> bool:
-        """Whether a decode step's confidence gate fires: with an FP4 tier and `gate` on, some
-        real row's confidence (`gate_metric`) of the logits of `out` is below `gate_tau` (one
+    def _gates(self, out, logits_of, keys: np.ndarray) -> bool:
+        """Whether a decode step's confidence gate fires: with an FP4 tier and `gate` on, the
+        least confidence (`gate_metric`) of the real rows of `out`'s logits is below `gate_tau`
+        times the share of the pass's routed pairs (`keys`) at W2 (`Fp4Tier.gates`; one
         device-to-host sync)."""
         if not self._gate_on(logits_of) or not torch.is_tensor(out):
             return False
@@ -513,7 +514,8 @@ class ResidencyManager:
         logits = logits_of(rows) if len(rows) else None
         if logits is None:  # (a pipeline stage without the head)
             return False
-        return bool(confidence(logits, self.gate_metric).min() < self.gate_tau)
+        conf = float(confidence(logits, self.gate_metric).min())
+        return self.fp4.tier.gates(conf, keys, self.gate_tau)
 
     def _routed_keys(self) -> np.ndarray:
         """The flat keys of the tiered experts the last pass routed (a device-to-host copy)."""
@@ -533,13 +535,15 @@ class ResidencyManager:
         # decides at once, from this step's routing, in the order the quality harness takes
         fp4_now = not scan and self._gate_on(logits_of)
         if fp4_now:
-            gated = self._gates(out, logits_of)
+            keys = self._routed_keys()
+            gated = self._gates(out, logits_of, keys)
             if gated:  # the step's routed experts to FP4, and the step once more: final
-                self.fp4.gate(self._routed_keys())
+                self.fp4.gate(keys)
                 self.miss_count.zero_()
                 self.routed.zero_()
                 out = forward()
-            self.fp4.after_step(self._routed_keys(), gated)
+                keys = self._routed_keys()
+            self.fp4.after_step(keys, gated)
         if len(self._returning) < len(self._ring):
             cuda = self.device.type == "cuda"
             miss, routed = self._ring[self._ring_next % len(self._ring)]  # FIFO: free now
