@@ -53,11 +53,12 @@ class MoetConfig:
     # up to FP4_AUTO_SHARE of them, as many as memory holds beside the W2 pool
     fp4_pool: str = "25%"
     # the confidence gate: a decode step whose token's confidence (gate_metric: "margin", the
-    # top-2 log-probability gap in nats, or "prob", the top-1 probability) is below gate_tau
-    # promotes its routed experts to FP4 and runs once more; defaults from docs/quality.md's curve
+    # top-2 log-probability gap in nats, or "prob", the top-1 probability) is below gate_tau times
+    # the share of its routed experts at W2 (outside the FP4 pool) promotes them to FP4 and runs
+    # once more; defaults from docs/quality.md's curve
     gate: bool = True
     gate_metric: str = "margin"
-    gate_tau: float = 0.5
+    gate_tau: float = 1.0
     # -- how they are computed and cached --
     compute: str = "auto"  # auto: moet-kernels where they run, else the torch reference
     dense: str = "auto"  # quantized dense layers: the checkpoint's method, or dequantized at load

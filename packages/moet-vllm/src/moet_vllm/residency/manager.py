@@ -181,7 +181,7 @@ class ResidencyManager:
         fp4=None,
         gate: bool = False,
         gate_metric: str = "margin",
-        gate_tau: float = 0.5,
+        gate_tau: float = 1.0,
     ):
         self.layout, self.n_experts, self.store = layout, n_experts, store
         self.fp4 = fp4  # the FP4 tier's pool (fp4pool.Fp4Pool), or None
