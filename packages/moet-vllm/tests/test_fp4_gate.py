@@ -9,7 +9,14 @@ import pytest
 import torch
 from serving import FIXTURE, split_prompt
 
-from moet_vllm.gate_eval import GateConfig, SimOptions, _Experts, _simulate, _teacher_forced
+from moet_vllm.gate_eval import (
+    ORACLE,
+    GateConfig,
+    SimOptions,
+    _Experts,
+    _simulate,
+    _teacher_forced,
+)
 from moet_vllm.residency.fp4tier import Fp4Tier, confidence
 
 # --- the tier's rules -----------------------------------------------------------------------------
@@ -156,18 +163,37 @@ def test_the_gate_replays_the_steps_below_tau_and_fp4_lowers_the_loss(sim):
     assert fp4_nll.mean() < gate["nll"].mean() < heat["nll"].mean() < bare["nll"].mean()
 
 
+def test_the_oracle_replays_exactly_the_steps_that_disagree_with_all_fp4(sim):
+    """The oracle's confidence is 0 where the first pass's greedy token differs from all-FP4's
+    and 1 elsewhere: every such step with a routed pair at W2 replays and no other, so every
+    step it leaves alone agrees with all-FP4 already, and it agrees more often than heat alone."""
+    fp4_top, _ = _teacher_forced(sim["fp4"], sim["tokens"], sim["wins"])
+    heat = run(sim, GateConfig(0.25, 0.0))
+    cfg = GateConfig(0.25, 1.0, ORACLE)
+    r = _simulate(sim["w2"], sim["experts"], sim["tokens"], sim["wins"], cfg, lambda _n: None,
+                  fp4_top)  # fmt: skip
+    assert set(np.unique(r["conf"])) <= {0.0, 1.0} and (r["conf"] == 0).any()
+    assert np.array_equal(r["gated"], (r["conf"] == 0) & (r["w2_share"] > 0))
+    left = ~r["gated"] & (r["w2_share"] > 0)  # ran their W2 pairs and were not replayed
+    assert (r["top"][left] == fp4_top[left]).all()
+    assert np.mean(r["top"] == fp4_top) > np.mean(heat["top"] == fp4_top)
+    with pytest.raises(ValueError, match="oracle"):
+        run(sim, cfg)  # without all-FP4's tokens
+
+
 def test_eval_gate_reports_every_configuration(tmp_path):
     from moet_vllm.gate_eval import evaluate_gate, format_table
 
     _, ids = split_prompt(161)
-    cfgs = [GateConfig(0.0, 0.0), GateConfig(0.1, 0.3, "margin")]
+    cfgs = [GateConfig(0.0, 0.0), GateConfig(0.1, 0.3, "margin"), GateConfig(0.1, 1.0, ORACLE)]
     report = evaluate_gate(FIXTURE, np.asarray(ids), cfgs, SimOptions(window=80, n_boot=50))
     assert report["tokens"] == 160 and report["windows"] == 2
     rows = report["configs"]
     assert list(rows) == [c.name for c in cfgs] and rows[cfgs[1].name]["slots"] == 19  # of 192
     assert rows[cfgs[0].name]["gated_pct"] == 0.0
     table = format_table(report)
-    assert "| 10% (19) | 0.3 margin |" in table
+    assert "| 10% (19) | 0.3 margin |" in table and "| 10% (19) | oracle |" in table
+    assert rows[cfgs[2].name]["gated_pct"] > 0  # all-FP4's tokens reached the oracle
 
 
 def test_eval_gate_refuses_bad_input_with_one_line(tmp_path):

@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="heat swaps: a pair replaces a resident one when its routing count is "
                       "higher by more than this many standard deviations (default "
                       f"{DEFAULT_SWAP_SIGMAS:g}, serving's)")  # fmt: skip
+    gate.add_argument("--oracle", action="store_true",
+                      help="also each pool gated by the oracle: exactly the steps whose greedy "
+                      "token differs from all-FP4's (the ceiling of any confidence signal)")  # fmt: skip
     gate.add_argument("--window", type=int, default=1024, help="tokens per window (a request)")
     gate.add_argument("--max-tokens", type=int, default=None, help="use the first N tokens")
     gate.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
@@ -113,7 +116,7 @@ def run_eval_gate(args: argparse.Namespace) -> int:
     bad = [p for p in args.fp4_pool if not 0.0 <= p <= 1.0]
     if bad:
         raise MoetError(f"--fp4-pool {bad}: a share of the experts must be in [0, 1]")
-    configs = curve(args.fp4_pool, args.tau, args.metric, args.swap_sigmas)
+    configs = curve(args.fp4_pool, args.tau, args.metric, args.swap_sigmas, args.oracle)
     opts = SimOptions(window=args.window, max_tokens=args.max_tokens, n_boot=args.n_boot,
                       extra={"token_file": str(args.tokens)})  # fmt: skip
     report = evaluate_gate(args.checkpoint, tokens, configs, opts)

@@ -20,6 +20,11 @@ Reported per configuration (pool share, tau): next-token loss and its paired-boo
 from bf16 (moet_quant.quality.bootstrap over windows), greedy agreement with bf16 and with
 all-FP4 (every expert fp4r, teacher-forced over the same windows), gate replay % of steps,
 promotions and evictions per step, confidence statistics of the ungated pass.
+
+The `oracle` metric is the simulation's alone: its confidence is 0 where the first pass's greedy
+token differs from all-FP4's (teacher-forced, the same position) and 1 elsewhere, so at tau 1 it
+replays exactly the steps that disagree. No confidence signal can choose better steps to replay;
+what the oracle row misses is what the W2 rows of earlier steps left in the KV cache.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .residency.fp4tier import DEFAULT_MAX_PROMOTIONS, DEFAULT_SWAP_SIGMAS, Fp4Tier, confidence
+
+ORACLE = "oracle"
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ class GateConfig:
     @property
     def name(self) -> str:
         swap = "" if self.swap_sigmas == DEFAULT_SWAP_SIGMAS else f", swap {self.swap_sigmas:g} sd"
+        if self.metric == ORACLE:
+            return f"pool {100 * self.pool_share:g}% oracle{swap}"
         return f"pool {100 * self.pool_share:g}% tau {self.tau:g} ({self.metric}{swap})"
 
 
@@ -52,13 +61,21 @@ DEFAULT_TAUS = (0.0, 0.3, 0.5, 0.7)
 
 
 def curve(
-    pools=DEFAULT_POOLS, taus=DEFAULT_TAUS, metric: str = "prob", swaps=(DEFAULT_SWAP_SIGMAS,)
+    pools=DEFAULT_POOLS,
+    taus=DEFAULT_TAUS,
+    metric: str = "prob",
+    swaps=(DEFAULT_SWAP_SIGMAS,),
+    oracle: bool = False,
 ) -> list[GateConfig]:
     """Bare W2 (the baseline of every row), then every pool share > 0 with every tau and every
-    heat-swap margin (`swaps`, Fp4Tier's `swap_sigmas`)."""
-    return [GateConfig(0.0, 0.0, metric)] + [
+    heat-swap margin (`swaps`, Fp4Tier's `swap_sigmas`), then (`oracle`) each pool and margin
+    gated by the oracle (see the module doc)."""
+    rows = [
         GateConfig(p, t, metric, swap_sigmas=z) for p in pools if p for z in swaps for t in taus
     ]
+    if oracle:
+        rows += [GateConfig(p, 1.0, ORACLE, swap_sigmas=z) for p in pools if p for z in swaps]
+    return [GateConfig(0.0, 0.0, metric)] + rows
 
 
 @dataclass
@@ -156,16 +173,20 @@ class _Decisions:
         self.experts.apply(plan)
         self.tier.commit(plan)
 
-    def step(self, ids, cache, decode: bool = True):
+    def step(self, ids, cache, decode: bool = True, fp4_top: int | None = None):
         """One pass of token ids [1, n] with the KV cache -> (last row's logits, its
         confidence, gated). A prefill (`decode=False`) is one pass that neither gates nor
         changes the pool; a decode step gates when its confidence is below tau (the routed
         pairs into the pool, the step again from the same context: that pass is final), then
-        the tier learns the final pass's routing and promotes by heat. Runs under no_grad."""
+        the tier learns the final pass's routing and promotes by heat. `fp4_top`: all-FP4's
+        greedy token here (the oracle's). Runs under no_grad."""
         logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
         if not decode:
             return logits, None, False
-        c = float(confidence(logits, self.cfg.metric))
+        if self.cfg.metric == ORACLE:
+            c = float(int(logits.argmax()) == fp4_top)
+        else:
+            c = float(confidence(logits, self.cfg.metric))
         self.w2_share = self.tier.w2_share(self.experts.keys()) if self.tier is not None else 1.0
         gated = self.tier is not None and self.tier.gates(c, self.experts.keys(), self.cfg.tau)
         if gated:
@@ -183,8 +204,11 @@ class _Decisions:
         self.experts.set_all(self.experts.w2)  # the model as it came
 
 
-def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress) -> dict:
-    """One configuration, token by token (see the module doc)."""
+def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress, fp4_top=None):
+    """One configuration, token by token (see the module doc); `fp4_top`: all-FP4's
+    teacher-forced greedy tokens (the oracle's)."""
+    if cfg.metric == ORACLE and fp4_top is None:
+        raise ValueError("the oracle gate needs all-FP4's greedy tokens (fp4_top)")
     import torch
     from transformers import DynamicCache
 
@@ -197,7 +221,8 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress)
             cache = DynamicCache()
             for t in range(s, s + w):
                 x = torch.tensor([[int(tokens[t])]])
-                logits, conf[t], gated[t] = sim.step(x, cache)
+                ref = None if fp4_top is None else int(fp4_top[t])
+                logits, conf[t], gated[t] = sim.step(x, cache, fp4_top=ref)
                 share[t] = sim.w2_share
                 lp = torch.log_softmax(logits.double(), -1)
                 top[t] = int(lp.argmax())
@@ -222,6 +247,8 @@ def simulate_generation(model_dir, prompts, max_tokens: int, cfg: GateConfig) ->
     after another, the pool kept) prefilled in one pass, then `max_tokens - 1` decode steps
     (the first token comes from the prefill's logits) -> {"tokens": [[...] per prompt],
     "gated": steps gated, "steps": decode steps}. What serving must reproduce."""
+    if cfg.metric == ORACLE:
+        raise ValueError("the oracle gate is the teacher-forced simulation's alone")
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -277,7 +304,7 @@ def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | Non
     rows = {}
     with progress_bar(n * len(configs), "gate simulation", opts.progress, unit="tok") as bar:
         for cfg in configs:
-            r = _simulate(sim_model, experts, tokens, wins, cfg, bar.update)
+            r = _simulate(sim_model, experts, tokens, wins, cfg, bar.update, fp4_top)
             diff = per_window(r["nll"] - bf16_nll)
             rows[cfg.name] = {
                 "pool_share": cfg.pool_share,
@@ -309,6 +336,11 @@ def evaluate_gate(model_dir, tokens: np.ndarray, configs, opts: SimOptions | Non
     }
 
 
+def tau_label(row: dict) -> str:
+    """A report row's gate: "0.5 margin", or "oracle"."""
+    return ORACLE if row["metric"] == ORACLE else f"{row['tau']:g} {row['metric']}"
+
+
 def format_table(report: dict) -> str:
     lines = [
         f"{report['tokens']} tokens, {report['windows']} windows of {report['window']}; bf16 loss "
@@ -323,7 +355,7 @@ def format_table(report: dict) -> str:
     for r in report["configs"].values():  # (reports before swap_sigmas swapped at any margin)
         d = r["vs_bf16"]
         lines.append(
-            f"| {100 * r['pool_share']:g}% ({r['slots']}) | {r['tau']:g} {r['metric']} | "
+            f"| {100 * r['pool_share']:g}% ({r['slots']}) | {tau_label(r)} | "
             f"{r.get('swap_sigmas', 0.0):g} | {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}] | "
             f"{r['agreement_bf16']:.3f} | {r['agreement_fp4']:.3f} | {r['gated_pct']:.1f} | "
             f"{r['promotions_per_step']:.2f} / {r['evictions_per_step']:.2f} |"
