@@ -24,7 +24,8 @@ promotions and evictions per step, confidence statistics of the ungated pass.
 The `oracle` metric is the simulation's alone: its confidence is 0 where the first pass's greedy
 token differs from all-FP4's (teacher-forced, the same position) and 1 elsewhere, so at tau 1 it
 replays exactly the steps that disagree. No confidence signal can choose better steps to replay;
-what the oracle row misses is what the W2 rows of earlier steps left in the KV cache.
+what the oracle row misses, no replay reaches (the W2 experts of earlier steps in the KV
+cache, pairs the replay routes anew outside the pool).
 """
 
 from __future__ import annotations
