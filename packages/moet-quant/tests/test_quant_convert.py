@@ -4,6 +4,7 @@ import errno
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -211,19 +212,26 @@ def test_kill_9_at_random_points_never_leaves_a_complete_looking_checkpoint(make
     full = tmp_path / "full"
     convert.convert(src, full, progress=False)
     cmd = [sys.executable, "-m", "moet_quant.cli", "convert", str(src), "OUT", "--no-progress"]
+
+    def start(out: Path) -> subprocess.Popen:
+        """The command on `out`, returned once its manifest exists (the conversion has begun)."""
+        p = subprocess.Popen([a if a != "OUT" else str(out) for a in cmd],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not (out / ".moet-convert.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return p
+
+    timed = start(tmp_path / "timed")  # how long a conversion runs here, so kills land inside it
+    t0 = time.monotonic()
+    assert timed.wait() == 0
+    span = time.monotonic() - t0
     rng = random.Random(1)
     killed_midway = 0
     for trial in range(6):
         out = tmp_path / f"out{trial}"
-        p = subprocess.Popen(
-            [a if a != "OUT" else str(out) for a in cmd],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 30
-        while not (out / ".moet-convert.json").exists() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        time.sleep(rng.uniform(0, 0.15))
+        p = start(out)
+        time.sleep(rng.uniform(0.05, 0.6) * span)
         p.send_signal(signal.SIGKILL)
         p.wait()
         if not (out / "config.json").exists():
