@@ -80,24 +80,42 @@ def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_pa
     assert gated and max(float(g) for g in gated) > 0
 
 
-def test_gate_replays_of_mtp_verification_steps_are_kv_safe(tmp_path):
-    """GLM-4.5 with its MTP layer drafting (a tiny random model, re-quantized at load): with
-    every pair at FP4 already, a gate replaying every decode step (tau 1e9; verification steps
-    of 1 + 1 tokens a request) serves the tokens of the same engine without the gate: a replay
-    rewrites the step's KV slots, and the drafter's (pinned W2) experts are not the tier's."""
+def test_replays_of_mtp_verification_steps_are_kv_safe_and_the_gate_skips_steps_all_at_fp4(
+    tmp_path,
+):
+    """GLM-4.5 with its MTP layer drafting (a tiny random model, re-quantized at load;
+    verification steps of 1 + 1 tokens a request; the drafter's experts are pinned W2, not the
+    tiers'). A W2 pool of half the pairs (below the boot floor, with consent) replays the
+    verification steps that missed and serves the all-resident engine's tokens: a replay
+    rewrites the step's KV slots (a gate replay is the same pass again,
+    manager._until_resident). With every pair at FP4, a gate at tau 1e9 replays no step (no
+    routed expert ran at W2: a replay would compute the same) and serves transformers' tokens
+    at fp4r; with a quarter of the pairs at FP4 it replays verification steps."""
     from tiny_models import write_tiny_model
 
     model = write_tiny_model("glm4_moe", tmp_path / "glm")
-    base = {"MOET_FP4_TIER": "fp4r", "MOET_FP4_POOL": "100%", "MOET_KPI_EVERY": "1"}
+    engines = {
+        "resident": {},
+        "w2-half": {"MOET_GPU_POOL": "50%", "MOET_BELOW_FLOOR_OK": "1"},  # (floor: 74 of 32)
+        "fp4-all": {"MOET_FP4_TIER": "fp4r", "MOET_FP4_POOL": "100%", "MOET_GATE_TAU": "1e9"},
+        "fp4-quarter": {"MOET_FP4_TIER": "fp4r", "MOET_FP4_POOL": "25%", "MOET_GATE_TAU": "1e9"},
+    }
     runs = {
         name: run_vllm(model, tmp_path, name, quantization="moet", mtp=1,
-                       env={**base, **env, "MOET_CACHE_DIR": str(tmp_path / name)})
-        for name, env in (("no-gate", {"MOET_GATE": "0"}), ("gate", {"MOET_GATE_TAU": "1e9"}))
+                       env={**env, "MOET_KPI_EVERY": "1", "MOET_CACHE_DIR": str(tmp_path / name)})
+        for name, env in engines.items()
     }  # fmt: skip
-    assert runs["gate"]["tokens"] == runs["no-gate"]["tokens"]
-    assert runs["gate"]["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0
-    assert "gate replay 100.0% of decode steps" in runs["gate"]["log"]
-    assert "gate replay 0.0% of decode steps" in runs["no-gate"]["log"]
+    for name, r in runs.items():
+        assert r["spec_decode"].get("vllm:spec_decode_num_drafts", 0) > 0, name
+    assert runs["w2-half"]["tokens"] == runs["resident"]["tokens"]
+    replays = re.findall(r"moet KPI: \d+ steps: replay ([\d.]+)% of steps", runs["w2-half"]["log"])
+    assert replays and max(float(x) for x in replays) > 0  # verification steps did miss
+    assert runs["fp4-all"]["tokens"] == hf_reference_tokens(model, model, tier="fp4r")
+    assert runs["fp4-all"]["tokens"] != runs["resident"]["tokens"]  # FP4 is not W2 here
+    gated = {n: re.findall(r"gate replay ([\d.]+)% of decode steps", runs[n]["log"])
+             for n in ("fp4-all", "fp4-quarter")}  # fmt: skip
+    assert gated["fp4-all"] and {float(g) for g in gated["fp4-all"]} == {0.0}
+    assert gated["fp4-quarter"] and max(float(g) for g in gated["fp4-quarter"]) > 0
 
 
 def test_an_auto_fp4_pool_is_sized_before_serving(tmp_path):
