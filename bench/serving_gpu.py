@@ -255,7 +255,8 @@ def engine_env(args) -> None:
 def fp4_variant(text: str) -> dict | None:
     """`--fp4` variant: "off", or POOL[/gate=TAU|off] (the FP4 pool's MOET_FP4_POOL; the gate's
     margin threshold in nats, 0 by default: checked on every decode step, never replays; 1e9:
-    every decode step replays; off: the gate off, heat alone, gate_tau None)."""
+    every decode step with a routed expert at W2 replays (the gate's rule); off: the gate off,
+    heat alone, gate_tau None)."""
     if text == "off":
         return None
     pool, _, gate = text.partition("/")
