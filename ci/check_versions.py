@@ -7,9 +7,8 @@ For every ``packages/*/pyproject.toml``:
   ``~=X.Y.Z`` for a release, ``==X.Y.ZrcN`` (or any pre/dev release) for a pre-release
   (design.md, Layout);
 * the meta-package ``moet`` pins every component package;
-* ``src/<import name>/__init__.py`` defines ``__version__ = "<pyproject version>"`` (the meta-package
-  has no module; for moet-store, whose ``__init__`` may read the version from the compiled module,
-  an absent file or a non-literal ``__version__`` is skipped with a note);
+* ``src/<import name>/__init__.py`` reads ``__version__`` from the installed distribution
+  (``importlib.metadata.version("<name>")``), never a literal: the pyproject is the one place;
 * the package's ``CHANGELOG.md`` has a heading for its version.
 
 Prints one line per problem (naming the file) and exits 1, or prints a summary table and exits 0.
@@ -33,8 +32,6 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 ROOT = Path(__file__).resolve().parent.parent
 META = "moet"
-# Packages whose __init__ may take __version__ from a compiled module instead of a literal.
-VERSION_FROM_NATIVE = {"moet-store"}
 
 
 @dataclass
@@ -163,31 +160,24 @@ def literal_version(init: Path) -> str | None:
 
 
 def check_module_version(pkg: Package) -> tuple[list[str], str]:
-    """Returns (errors, status for the table)."""
+    """Returns (errors, status for the table): the module reads its version from the installed
+    distribution's metadata; a literal would be a second place to keep it."""
     if pkg.name == META:
         return [], "(no module)"
     init = pkg.folder / "src" / pkg.import_name / "__init__.py"
     rel = pkg.rel(init)
-    native = pkg.name in VERSION_FROM_NATIVE
     if not init.is_file():
-        if native:
-            pkg.notes.append(f"note: {rel} is absent; __version__ check skipped for {pkg.name}")
-            return [], "skipped"
-        return [f"{rel}: missing (it must define __version__ = {pkg.version!r})"], "missing"
+        return [f"{rel}: missing"], "missing"
+    text = init.read_text(encoding="utf-8")
     found = literal_version(init)
-    if found is None:
-        if native:
-            pkg.notes.append(
-                f"note: {rel} has no literal __version__ (read from the compiled module?); "
-                f"check skipped for {pkg.name}"
-            )
-            return [], "skipped"
-        return [f"{rel}: no literal `__version__ = {pkg.version!r}`"], "missing"
-    if found != pkg.version:
+    if found is not None:
         return [
-            f"{rel}: __version__ is {found!r} but {pkg.rel(pkg.pyproject)} says {pkg.version!r}"
+            f"{rel}: a literal __version__ {found!r} repeats {pkg.rel(pkg.pyproject)}'s version; "
+            f'read it with importlib.metadata.version("{pkg.name}")'
         ], found
-    return [], found
+    if f'version("{pkg.name}")' not in text:
+        return [f'{rel}: __version__ must be importlib.metadata.version("{pkg.name}")'], "missing"
+    return [], "metadata"
 
 
 def changelog_has(text: str, version: str) -> bool:

@@ -161,7 +161,3 @@ def test_doctor_and_cli(tmp_path, capsys):
     assert '"path_exists": false' in capsys.readouterr().out
     assert cli_main(["ls", str(tmp_path)]) == 0
     assert spec.file_name in capsys.readouterr().out
-
-
-def test_version():
-    assert moet_store.__version__ == "0.1.0"

@@ -66,3 +66,13 @@ def test_pin_admits_exactly_the_component_version(name: str) -> None:
 def test_meta_has_no_module() -> None:
     data = tomllib.loads(META.read_text(encoding="utf-8"))
     assert data["tool"]["setuptools"]["packages"] == []
+
+
+@pytest.mark.parametrize("name", sorted(components()))
+def test_each_module_reports_its_pyprojects_version(name: str) -> None:
+    """`__version__` is read from the installed metadata: an install older than the source tree
+    (an editable install not redone after a bump) fails here."""
+    import importlib
+
+    module = importlib.import_module(name.replace("-", "_"))
+    assert module.__version__ == components()[name]

@@ -7,8 +7,10 @@ the test oracle), the layout id (`moet_kernels.layout`) and the loader's availab
 
 from __future__ import annotations
 
+from importlib.metadata import version as _dist_version
+
 from .layout import LAYOUT_ID
 
-__version__ = "0.1.0"
+__version__ = _dist_version("moet-kernels")  # the pyproject's, as installed: its one place
 
 __all__ = ["LAYOUT_ID", "__version__"]

@@ -3,7 +3,9 @@
 See README.md for the module map and docs/formats.md for the formats byte for byte.
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import version as _dist_version
+
+__version__ = _dist_version("moet-quant")  # the pyproject's, as installed: its one place
 
 from .errors import CheckpointError, FormatError, MoetError  # noqa: E402
 

@@ -12,7 +12,9 @@ Public API (see docs/store.md):
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import version as _dist_version
+
+__version__ = _dist_version("moet-store")  # the pyproject's, as installed: its one place
 
 from ._core import Batch, StoreError
 from .doctor import doctor, format_doctor

@@ -7,6 +7,8 @@ loading, tiered residency and the `moet` command live in their own modules (READ
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import version as _dist_version
+
+__version__ = _dist_version("moet-vllm")  # the pyproject's, as installed: its one place
 
 __all__ = ["__version__"]
