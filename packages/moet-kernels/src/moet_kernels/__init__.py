@@ -7,10 +7,14 @@ the test oracle), the layout id (`moet_kernels.layout`) and the loader's availab
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _dist_version
 
 from .layout import LAYOUT_ID
 
-__version__ = _dist_version("moet-kernels")  # the pyproject's, as installed: its one place
+try:  # the pyproject's version, as installed: its one place
+    __version__ = _dist_version("moet-kernels")
+except _NotInstalled:  # imported from a source tree (PYTHONPATH), not installed
+    __version__ = "0+source"
 
 __all__ = ["LAYOUT_ID", "__version__"]

@@ -12,9 +12,13 @@ Public API (see docs/store.md):
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _dist_version
 
-__version__ = _dist_version("moet-store")  # the pyproject's, as installed: its one place
+try:  # the pyproject's version, as installed: its one place
+    __version__ = _dist_version("moet-store")
+except _NotInstalled:  # imported from a source tree (PYTHONPATH), not installed
+    __version__ = "0+source"
 
 from ._core import Batch, StoreError
 from .doctor import doctor, format_doctor

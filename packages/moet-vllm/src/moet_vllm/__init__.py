@@ -7,8 +7,12 @@ loading, tiered residency and the `moet` command live in their own modules (READ
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError as _NotInstalled
 from importlib.metadata import version as _dist_version
 
-__version__ = _dist_version("moet-vllm")  # the pyproject's, as installed: its one place
+try:  # the pyproject's version, as installed: its one place
+    __version__ = _dist_version("moet-vllm")
+except _NotInstalled:  # imported from a source tree (PYTHONPATH), not installed
+    __version__ = "0+source"
 
 __all__ = ["__version__"]
