@@ -18,6 +18,7 @@ from conftest import check_batch, expected_rows, make_spec, uring_ok, write_pack
 
 import moet_store
 from moet_store import StoreError, _core
+from moet_store._faults import inject
 
 CHILD = textwrap.dedent(
     """
@@ -134,8 +135,8 @@ def test_tiny_memlock_gives_unregistered_buffers_same_bytes():
 def test_odirect_refused_falls_back_buffered_with_logged_reason(tmp_path, caplog):
     spec = make_spec()
     rows = write_pack(tmp_path, spec)
-    with caplog.at_level("WARNING", logger="moet_store"):
-        st = moet_store.open_store(tmp_path, spec, direct="auto", faults={"odirect_refused": True})
+    with caplog.at_level("WARNING", logger="moet_store"), inject(odirect_refused=True):
+        st = moet_store.open_store(tmp_path, spec, direct="auto")
     assert "O_DIRECT refused" in caplog.text
     info = st.runtime_info()
     assert info["direct"] is False and "refused" in info["direct_reason"]
@@ -143,8 +144,11 @@ def test_odirect_refused_falls_back_buffered_with_logged_reason(tmp_path, caplog
     with st.fetch(keys) as b:
         check_batch(b, keys, rows)
     st.close()
-    with pytest.raises(StoreError, match="O_DIRECT requested but refused"):
-        moet_store.open_store(tmp_path, spec, direct=True, faults={"odirect_refused": True})
+    with (
+        pytest.raises(StoreError, match="O_DIRECT requested but refused"),
+        inject(odirect_refused=True),
+    ):
+        moet_store.open_store(tmp_path, spec, direct=True)
 
 
 def test_misaligned_requests_rejected(tmp_path):
@@ -166,9 +170,8 @@ def test_misaligned_requests_rejected(tmp_path):
 def test_eio_never_publishes_a_slot(tmp_path, engine):
     spec = make_spec()
     rows = write_pack(tmp_path, spec)
-    st = moet_store.open_store(
-        tmp_path, spec, engine=engine, direct=False, faults={"eio_after": 3}, preheat=False
-    )
+    with inject(eio_after=3):
+        st = moet_store.open_store(tmp_path, spec, engine=engine, direct=False, preheat=False)
     with st.fetch([(0, 0), (0, 1), (0, 2)]) as b:
         check_batch(b, [(0, 0), (0, 1), (0, 2)], rows)
     keys = [(1, e) for e in range(4)]
@@ -193,10 +196,26 @@ def test_engine_pread_explicit_and_bad_args(tmp_path):
         moet_store.open_store(tmp_path, spec, engine="spdk")
     with pytest.raises(ValueError):
         moet_store.open_store(tmp_path, spec, backend="gpu")
-    with pytest.raises(ValueError):
-        moet_store.open_store(tmp_path, spec, faults={"bogus": 1})
+    with pytest.raises(ValueError), inject(bogus=1):
+        moet_store.open_store(tmp_path, spec)
+    with pytest.raises(TypeError):  # not the public API: a private hook
+        moet_store.open_store(tmp_path, spec, faults={"eio_after": 0})
 
 
 def test_expected_rows_helper_is_deterministic():
     spec = make_spec()
     assert np.array_equal(expected_rows(spec), expected_rows(spec))
+
+
+def test_faults_reach_only_the_stores_opened_inside_the_hook(tmp_path):
+    spec = make_spec()
+    rows = write_pack(tmp_path, spec)
+    with inject(eio_after=0):
+        bad = moet_store.open_store(tmp_path, spec, backend="pagecache", preheat=False)
+    good = moet_store.open_store(tmp_path, spec, backend="pagecache", preheat=False)
+    with pytest.raises(StoreError):
+        bad.fetch([(0, 0)])
+    with good.fetch([(0, 0)]) as b:  # opened after the context: nothing injected
+        check_batch(b, [(0, 0)], rows)
+    bad.close()
+    good.close()

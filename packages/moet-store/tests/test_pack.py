@@ -14,6 +14,7 @@ from conftest import check_batch, expected_rows, make_spec, write_pack
 
 import moet_store
 from moet_store import StoreError
+from moet_store._faults import inject
 
 
 def test_layout_and_sidecar(tmp_path):
@@ -201,9 +202,8 @@ def test_free_space_check_before_writing(tmp_path):
 def test_disk_full_injected_keeps_earlier_layers(tmp_path):
     spec = make_spec()
     rows = expected_rows(spec)
-    w = moet_store.open_pack_for_write(
-        tmp_path, spec, min_free_bytes=0, faults={"enospc_after_bytes": int(2.5 * spec.layer_bytes)}
-    )
+    with inject(enospc_after_bytes=int(2.5 * spec.layer_bytes)):
+        w = moet_store.open_pack_for_write(tmp_path, spec, min_free_bytes=0)
     w.write_layer(0, rows[0])
     w.write_layer(1, rows[1])
     with pytest.raises(StoreError, match=r"layers \[0, 1\] are\s+intact") as ei:

@@ -9,6 +9,7 @@ import pytest
 from conftest import ENGINES, check_batch, make_spec, write_pack
 
 import moet_store
+from moet_store._faults import inject
 
 CASES = [
     ("tiered", "auto"),
@@ -168,14 +169,17 @@ def test_short_reads_same_bytes(pack):
     d, spec, rows = pack
     keys = all_keys(spec)
     for direct in (False, True):
-        with moet_store.open_store(d, spec, direct=direct, faults={"short_read_every": 2}) as st:
-            with st.fetch(keys) as b:
-                check_batch(b, keys, rows)
+        with inject(short_read_every=2):
+            st = moet_store.open_store(d, spec, direct=direct)
+        with st, st.fetch(keys) as b:
+            check_batch(b, keys, rows)
 
 
 def test_stall_still_correct(pack):
     d, spec, rows = pack
-    with moet_store.open_store(d, spec, faults={"stall_us": 2000}) as st:
+    with inject(stall_us=2000):
+        st = moet_store.open_store(d, spec)
+    with st:
         with st.fetch([(1, 2)]) as b:
             check_batch(b, [(1, 2)], rows)
         assert st.stats()["latency_us_p99"] >= 2000

@@ -14,6 +14,7 @@ from test_residency_manager import INTER, LAYOUT, ROUTING, E, H, L, Stack, steps
 import moet_store
 from moet_kernels.layout import RowLayout
 from moet_kernels.reference import route_reference, tiered_moe_slots_reference
+from moet_store._faults import inject
 from moet_vllm.residency.fp4pool import Fp4Pool
 from moet_vllm.residency.fp4tier import Fp4Tier
 from moet_vllm.residency.manager import OBSERVE_LAG, MoetResidencyError, ResidencyManager
@@ -169,9 +170,8 @@ def test_a_pool_of_every_pair_serves_all_fp4_from_the_first_step(tmp_path):
 
 def test_a_failed_fp4_fetch_fails_the_step_and_publishes_nothing(tmp_path):
     stack = Fp4Stack(2, tmp_path)
-    bad = moet_store.open_store(
-        tmp_path, stack.fp4_spec, backend="pagecache", faults={"eio_after": 0}, preheat=False
-    )
+    with inject(eio_after=0):
+        bad = moet_store.open_store(tmp_path, stack.fp4_spec, backend="pagecache", preheat=False)
     mgr = fp4_manager(stack, 4, fp4_store=bad)
     x = torch.randn(1, H)
     with pytest.raises(MoetResidencyError, match="FP4 experts from the pack files failed 3 times"):

@@ -21,6 +21,7 @@ from moet_kernels.reference import (
     w2_moe_reference,
     w2_moe_slots_reference,
 )
+from moet_store._faults import inject
 from moet_vllm.residency import sizing
 from moet_vllm.residency.manager import (
     AutoPool,
@@ -196,9 +197,8 @@ def test_approximate_mode_serves_and_reports_what_it_skipped(tmp_path):
 
 def test_a_failed_fetch_is_retried_then_fails_without_publishing(tmp_path):
     stack = Stack(7, tmp_path)
-    store = moet_store.open_store(
-        tmp_path, stack.spec, backend="pagecache", faults={"eio_after": 0}, preheat=False
-    )
+    with inject(eio_after=0):
+        store = moet_store.open_store(tmp_path, stack.spec, backend="pagecache", preheat=False)
     mgr = manager(stack, 12, store=store)
     x = torch.randn(2, H)
     with pytest.raises(MoetResidencyError, match="failed 3 times"):

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _core
+from . import _core, _faults
 from ._core import StoreError
 from ._jsonio import InvalidJSON, atomic_write_json, fsync_dir, is_int, load_json
 
@@ -257,7 +257,6 @@ class PackWriter:
         *,
         cap_bytes: int | None = None,
         min_free_bytes: int = 64 << 20,
-        faults: dict | None = None,
         durable: bool = True,
     ) -> None:
         self.spec = spec
@@ -266,7 +265,7 @@ class PackWriter:
         self.paths = spec.paths(self.directory)
         self.path = self.paths.pack
         self.min_free_bytes = int(min_free_bytes)
-        self._faults = dict(faults) if faults else None
+        self._faults = _faults.active()  # tests only (moet_store._faults)
         self._durable = durable
         self._written = 0
         self._fd = -1

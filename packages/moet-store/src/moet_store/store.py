@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from . import _core
+from . import _core, _faults
 from ._core import Batch, StoreError
 from ._jsonio import InvalidJSON, atomic_write_json, is_int, load_json
 from .pack import PackSpec, _flock, default_cache_dir, read_sidecar
@@ -104,7 +104,6 @@ class Store:
         populate: bool = False,
         register_buffers: bool = True,
         writable_views: bool = False,
-        faults: dict | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
@@ -171,7 +170,7 @@ class Store:
                 verify,
                 populate,
                 register_buffers,
-                faults,
+                _faults.active(),  # tests only (moet_store._faults)
                 written,
                 crcs,
                 writable_views,
@@ -296,6 +295,6 @@ def open_store(directory: str | os.PathLike | None, spec: PackSpec, **kwargs: ob
 
     Keywords: backend ("tiered" | "pagecache" | "ram"), arena_bytes, stage_bytes,
     engine ("auto" | "io_uring" | "pread"), direct ("auto" | True | False), readers, verify,
-    preheat, populate, register_buffers, writable_views, faults (tests).
+    preheat, populate, register_buffers, writable_views.
     """
     return Store(directory, spec, **kwargs)  # type: ignore[arg-type]
