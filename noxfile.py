@@ -57,7 +57,7 @@ def tests(session: nox.Session, pkg: str) -> None:
         session.run("cmake", "--build", str(build), external=True)
         session.run("ctest", "--test-dir", str(build), "--output-on-failure", external=True)
     # the gpu marker is deselected, not skipped (ci/gpu.sh runs it); `-- -m gpu` selects it again;
-    # ci/pytest_skips.py: with MOET_STRICT_SKIPS=1 (ci/test.sh) an unexpected skip fails the run
+    # ci/pytest_skips.py: with STRICT_SKIPS=1 (ci/test.sh) an unexpected skip fails the run
     path = os.pathsep.join(p for p in (str(ROOT / "ci"), os.environ.get("PYTHONPATH")) if p)
     session.run(
         "python", "-m", "pytest", "-q", "-p", "pytest_skips", "-m", "not gpu",

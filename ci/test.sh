@@ -9,5 +9,5 @@ bash ci/setup.sh
 export PATH="$root/.venv/bin:$PATH"
 # CI installs vLLM, modelopt, liburing and the SASS tools: a test that skips fails the run
 # unless ci/pytest_skips.py lists its reason
-export MOET_STRICT_SKIPS=1
+export STRICT_SKIPS=1
 exec .venv/bin/nox --no-error-on-missing-interpreters -s ci

@@ -1,4 +1,4 @@
-"""CI's rule on skips (ci/pytest_skips.py, loaded by every test session): with MOET_STRICT_SKIPS=1 a
+"""CI's rule on skips (ci/pytest_skips.py, loaded by every test session): with STRICT_SKIPS=1 a
 skip fails the run unless its reason is an expected one; without it, skips pass as pytest's."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_needs_vllm():
 
 def run(tmp_path: Path, strict: bool, select: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_sample.py").write_text(TESTS)
-    env = {**os.environ, "PYTHONPATH": str(CI), "MOET_STRICT_SKIPS": "1" if strict else "0"}
+    env = {**os.environ, "PYTHONPATH": str(CI), "STRICT_SKIPS": "1" if strict else "0"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "pytest_skips", "-p", "no:cacheprovider",
            "-k", select, str(tmp_path)]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path)
