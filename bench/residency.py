@@ -2,7 +2,7 @@
 
 Run through nox: `nox -s "bench(residency)"` (`-- --tune` adds the decay half-life sweep and the
 variants tried, docs/residency.md "What was tried"). Traces: two synthetic ones
-(DeepSeek-V4-Flash- and GLM-5.2-shaped, moet_vllm.residency.traces, seed 0) and the fixture
+(DeepSeek-V4-Flash- and GLM-5.2-shaped, moet_vllm.planning.traces, seed 0) and the fixture
 model's real one (bench/fixture: the routing of its test split, written by
 bench/fixture/evaluate.py; its first FIXTURE_TOKENS tokens, with their token ids). For each
 trace, decode at batch 1 and 8, and each pool size (a share of all moe_layers x E experts), the
@@ -44,9 +44,9 @@ import numpy as np  # noqa: E402
 from results_io import write_result  # noqa: E402
 
 from moet_vllm import __version__  # noqa: E402
+from moet_vllm.planning import simulate as sim  # noqa: E402
+from moet_vllm.planning import traces  # noqa: E402
 from moet_vllm.residency import policy as pol  # noqa: E402
-from moet_vllm.residency import simulate as sim  # noqa: E402
-from moet_vllm.residency import traces  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "residency.md"

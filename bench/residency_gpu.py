@@ -8,7 +8,7 @@ moet-kernels' W2 MoE op in a captured CUDA graph, driven by a routing trace (iss
 
 The model is a stack of MoE layers, x <- x + moe(rms_norm(x)), decoding one token per step; the
 routing of step t, layer l is the trace's, its weights fixed random. The trace is synthetic
-(GLM-5.2-shaped, moet_vllm.residency.traces, on the stack's geometry) or the fixture model's real
+(GLM-5.2-shaped, moet_vllm.planning.traces, on the stack's geometry) or the fixture model's real
 one (`--trace fixture`: bench/out/fixture, built by bench/fixture/evaluate.py; its 3 MoE layers x
 64 experts, top-4, and the input token of each step, with --hidden/--inter's expert rows). One
 forward pass is one CUDA graph (on the CPU: eager, the reference op).
@@ -55,7 +55,7 @@ from results_io import machine, write_result  # noqa: E402
 import moet_store  # noqa: E402
 from moet_kernels.layout import NativeRowLayout, RowLayout  # noqa: E402
 from moet_kernels.ops import w2_moe_slots  # noqa: E402
-from moet_vllm.residency import simulate, traces  # noqa: E402
+from moet_vllm.planning import simulate, traces  # noqa: E402
 from moet_vllm.residency.manager import ResidencyManager  # noqa: E402
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from moet_vllm.residency import simulate as sim
-from moet_vllm.residency import traces
+from moet_vllm.planning import simulate as sim
+from moet_vllm.planning import traces
 from moet_vllm.residency.policy import ResidencyPolicy, lowest
 
 PREFETCH = 16

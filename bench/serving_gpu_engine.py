@@ -17,7 +17,7 @@ Imported inside vLLM's worker process through `worker_extension_cls`
 
 The routing design ("token program"). Each benchmark sequence is a stretch of distinct token ids
 (`token_program`); each program position p routes, at every MoE layer, top-k experts fixed in
-advance (`Design`: uniform, or a concentrated profile from moet_vllm.residency.traces). The
+advance (`Design`: uniform, or a concentrated profile from moet_vllm.planning.traces). The
 weights make the model follow the program exactly, whatever the engine:
 
 * the embedding of p's token is e_p = A * sum_j Q_j L[p, j] + rho * Q_rand z_p, with Q a seeded
@@ -119,12 +119,12 @@ class Design:
 
 
 def concentrated_profile(nb: int, n_experts: int, top_k: int, hidden: int, inter: int):
-    """GLM-5.2's synthetic-trace profile (moet_vllm.residency.traces) on this shape's geometry:
+    """GLM-5.2's synthetic-trace profile (moet_vllm.planning.traces) on this shape's geometry:
     the same coverage target (51% of (layer, expert) pairs serve 91% of routings; `calibrate`
     refits the power law to it), topic and phrase sets scaled by E / 256 (at least top_k)."""
     from dataclasses import replace
 
-    from moet_vllm.residency import traces
+    from moet_vllm.planning import traces
 
     p = traces.GLM_5_2
     topic = max(top_k, round(p.topic_experts * n_experts / p.n_experts))
@@ -140,7 +140,7 @@ def calibrate(profile_name: str, nb, n_experts, top_k, hidden, inter, seed) -> f
     the uniform profile); computed once by the driver and handed to the engine."""
     if profile_name != "concentrated":
         return None
-    from moet_vllm.residency import traces
+    from moet_vllm.planning import traces
 
     prof = concentrated_profile(nb, n_experts, top_k, hidden, inter)
     return round(traces.calibrate_alpha(prof, 4096, seed), 4)
@@ -161,7 +161,7 @@ def design(spec: dict, n_moe: int) -> Design:
     elif spec["profile"] == "concentrated":
         from dataclasses import replace
 
-        from moet_vllm.residency import traces
+        from moet_vllm.planning import traces
 
         prof = concentrated_profile(nb, e, k, h, spec["inter"])
         if spec.get("alpha") is not None:

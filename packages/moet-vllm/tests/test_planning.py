@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moet_vllm.residency import ResidencyPolicy, traces
-from moet_vllm.residency import simulate as sim
+from moet_vllm.planning import simulate as sim
+from moet_vllm.planning import traces
+from moet_vllm.residency import ResidencyPolicy
 
 
 def brute_force(steps: np.ndarray, n_slots: int, initial=()) -> tuple[int, int]:
@@ -323,3 +324,69 @@ def test_synthetic_state_is_the_traces_hidden_state():
     shuffled = w[np.random.default_rng(0).permutation(512)]
     other = np.log(np.take_along_axis(shuffled, ids.astype(np.int64), axis=2)).sum()
     assert lik > other + 1000  # the routings follow their own token's weights
+
+
+# --- `moet plan` ----------------------------------------------------------------------------------
+
+
+def plan_trace(tmp_path, tokens=400, layers=3, experts=16, top_k=2):
+    """A routing trace with a hot half of the experts, so pool sizes matter."""
+    rng = np.random.default_rng(0)
+    weights = np.r_[np.full(experts // 2, 6.0), np.ones(experts - experts // 2)]
+    ids = np.stack([np.stack([np.sort(rng.choice(experts, top_k, replace=False, p=weights / weights.sum()))
+                              for _ in range(layers)]) for _ in range(tokens)])  # fmt: skip
+    meta = {"model": "test", "E": experts, "top_k": top_k, "moe_layer_ids": list(range(layers)),
+            "split": "test", "source": "tests"}  # fmt: skip
+    return traces.save_trace(tmp_path / "trace", ids, meta), ids
+
+
+def plan_table(out: str) -> dict[int, dict[str, float]]:
+    lines = [ln for ln in out.splitlines() if ln.startswith("| ") and not ln.startswith("| slots")]
+    head = next(ln for ln in out.splitlines() if ln.startswith("| slots")).strip("| ").split(" | ")
+    rows = {}
+    for ln in lines:
+        cells = ln.strip("| ").split(" | ")
+        rows[int(cells[0])] = {h: float(c) for h, c in zip(head[2:], cells[2:], strict=True)}
+    return rows
+
+
+def test_moet_plan_reports_each_policy_beside_belady_and_the_bound(tmp_path, capsys):
+    """The table holds what the simulator gives for each pool and policy; Belady's offline
+    schedule replays no more than any online policy, the bound no more than Belady, and a larger
+    pool never replays more under Belady."""
+    from moet_vllm.cli import main
+
+    path, ids = plan_trace(tmp_path)
+    assert main(["plan", str(path), "--pool", "12", "50%", "40", "--warmup", "50", "--bound"]) == 0
+    rows = plan_table(capsys.readouterr().out)
+    assert sorted(rows) == [12, 24, 40]  # 50% of 3 x 16 pairs
+    steps = sim.decode_steps(ids, 16)
+    for n, row in rows.items():
+        want = sim.run_policy("decay", steps, n, 3, 16, warmup=50).replay_pct
+        assert row["decay replay %"] == pytest.approx(want, abs=0.05)
+        for p in ("decay", "lru", "lfu"):
+            assert row["belady replay %"] <= row[f"{p} replay %"]
+        assert row["lower bound %"] <= row["belady replay %"]
+    assert rows[12]["belady replay %"] >= rows[24]["belady replay %"] >= rows[40]["belady replay %"]
+    assert rows[12]["decay replay %"] > rows[40]["decay replay %"]  # the hot half fits in 40
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pool", "5"], "--pool 5: a step of this trace at batch 1 routes 6 distinct experts"),
+        (["--pool", "0"], "--pool 0: expected 1..48 slots or a percentage of them"),
+        (["--pool", "12", "--policy", "fifo"], "--policy fifo: expected some of"),
+        (["--pool", "12", "--batch", "401"], "--batch 401: expected 1..400"),
+    ],
+)
+def test_moet_plan_refuses_bad_input_with_one_line(tmp_path, capsys, args, message):
+    from moet_vllm.cli import main
+
+    path, _ = plan_trace(tmp_path)
+    assert main(["plan", str(path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moet: error: ") and message in err and len(err.splitlines()) == 1
+    path.with_suffix(".json").write_text("{}")
+    assert main(["plan", str(path), "--pool", "12"]) == 2
+    assert "not a routing trace (trace sidecar lacks" in capsys.readouterr().err

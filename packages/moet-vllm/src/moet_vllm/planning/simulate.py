@@ -28,7 +28,7 @@ the pool holds R_b plus the kept intervals crossing b, at most ``n_slots``.
   ``n_slots - |R_b|``. MIN achieves it: the keys of R_t have distance 0 and are never victims, and
   the classic exchange argument goes through (a schedule that evicts y where MIN evicts x, whose
   next routing is later, can keep y and drop x instead until y's next routing, without an extra
-  miss). Checked against brute force (tests/test_residency_simulate.py).
+  miss). Checked against brute force (tests/test_planning.py).
 - *Replay steps.* A step is replay-free only if *all* the intervals ending at it are kept: the
   optimum packs whole groups of intervals, an all-or-nothing packing for which we know no
   polynomial algorithm. MIN is not optimal for it: it may evict a key whose next step would
@@ -56,7 +56,7 @@ has asked for yet. Two models, outside the demand-only one above (so neither MIN
 
 **What no online policy can beat** (synthetic traces): a synthetic token routes its top-k experts
 of each layer as a draw from weights that only the generator's hidden state (topic and phrase)
-determines (:func:`~moet_vllm.residency.traces.synthetic_state`). Whatever an online policy does,
+determines (:func:`~moet_vllm.planning.traces.synthetic_state`). Whatever an online policy does,
 in any of the models above, the pool it holds when a step starts was chosen before the step's
 draw, so the step is replay-free with probability at most ``max_{|S| <= n_slots} P(R_t within
 S | state)``; :func:`online_clean_bound` bounds that and sums the expected replays.
@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .policy import DEFAULT_PREDICT_THRESHOLD, Plan, ResidencyPolicy, lowest
+from ..residency.policy import DEFAULT_PREDICT_THRESHOLD, Plan, ResidencyPolicy, lowest
 
 ONLINE = ("lru", "lfu", "decay")
 OFFLINE = ("min", "belady")
@@ -557,7 +557,7 @@ def online_clean_bound(weights, step_tokens: np.ndarray, top_k: int, pools) -> n
     """Expected replay steps (float64, one per pool size in ``pools``) that no online policy can go
     below when each token's routing is a Plackett-Luce draw of ``top_k`` distinct experts per
     layer from weights known in advance (a synthetic trace's hidden state,
-    :meth:`~moet_vllm.residency.traces.SyntheticState.weights`), independent of everything else.
+    :meth:`~moet_vllm.planning.traces.SyntheticState.weights`), independent of everything else.
 
     ``weights(token)`` -> float [moe_layers, E]; ``step_tokens`` int [steps, batch]: the tokens of
     each counted step. A policy holds some pool S before the step's draw; the step is replay-free

@@ -273,7 +273,7 @@ def synthetic_state(
 ) -> SyntheticState:
     """The hidden state behind ``synthetic_trace(profile, tokens, seed)``: each token's routing
     weights (the topic and phrase it belongs to). No online policy can know more about the next
-    token; :func:`~moet_vllm.residency.simulate.online_clean_bound` turns it into a bound."""
+    token; :func:`~moet_vllm.planning.simulate.online_clean_bound` turns it into a bound."""
     return _generate(profile, tokens, seed, alpha, chunk)[0]
 
 
