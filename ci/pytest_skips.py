@@ -17,8 +17,12 @@ EXPECTED_SKIPS = [
     (r"checks the CPU-only answer", "the kernel loader's CPU-only answer, on a CUDA machine"),
 ]
 
-# (the switch is not a MOET_ variable: moet refuses an unknown one at boot, engines inherit the env)
 _skipped: list[tuple[str, str]] = []
+
+
+def _strict() -> bool:
+    # not a MOET_ variable: moet refuses an unknown one at boot, and test engines inherit the env
+    return os.environ.get("STRICT_SKIPS") == "1"
 
 
 def _expected(reason: str) -> bool:
@@ -45,13 +49,13 @@ def _unexpected() -> list[tuple[str, str]]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus) -> None:
-    if os.environ.get("STRICT_SKIPS") == "1" and _unexpected() and exitstatus == 0:
+    if _strict() and _unexpected() and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     bad = _unexpected()
-    if bad and os.environ.get("STRICT_SKIPS") == "1":
+    if bad and _strict():
         terminalreporter.section("unexpected skips (STRICT_SKIPS=1: they fail the run)")
         for node, reason in bad:
             terminalreporter.line(f"{node}: {reason}")
