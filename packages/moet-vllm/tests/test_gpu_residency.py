@@ -90,7 +90,7 @@ class Graph:
 class CountedSyncs:
     """Counts the syncs inside the block: explicit stream syncs (torch.cuda.Stream.synchronize,
     `n`; torch.cuda.synchronize() is not one) and the implicit ones torch's sync debug mode flags
-    (`implicit`: a pageable copy, an .item(), ...)."""
+    (`sites`, where each was called: a pageable copy, an .item(), ...)."""
 
     def __enter__(self):
         self.n, self._original = 0, torch.cuda.Stream.synchronize
@@ -114,11 +114,13 @@ class CountedSyncs:
         torch.cuda.set_sync_debug_mode("default")
         torch.cuda.Stream.synchronize = self._original
         self._caught.__exit__(*exc)
-        self.implicit = sum("synchroniz" in str(w.message) for w in self._warnings)
+        self.sites = [
+            f"{w.filename}:{w.lineno}" for w in self._warnings if "synchroniz" in str(w.message)
+        ]
 
 
-def run(mgr, graph, token_ids=None) -> tuple[int, int, float]:
-    """STEPS decode steps -> (explicit stream syncs, implicit syncs torch flagged, us/step)."""
+def run(mgr, graph, token_ids=None) -> tuple[int, list[str], float]:
+    """STEPS decode steps -> (explicit stream syncs, where torch flagged implicit syncs, us/step)."""
     with CountedSyncs() as syncs:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -126,7 +128,7 @@ def run(mgr, graph, token_ids=None) -> tuple[int, int, float]:
             mgr.run_forward(graph.forward, n_real=1, token_ids=token_ids)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-    return syncs.n, syncs.implicit, 1e6 * seconds / STEPS
+    return syncs.n, syncs.sites, 1e6 * seconds / STEPS
 
 
 def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_path):
@@ -136,16 +138,16 @@ def test_a_step_that_misses_nothing_syncs_once_and_predicting_costs_more(tmp_pat
     longer; both costs are printed (docs/residency.md)."""
     on_demand = manager(tmp_path / "a", predict=False)
     syncs, implicit, us = run(on_demand, Graph(on_demand))
-    assert (syncs, implicit) == (STEPS, 0), (syncs, implicit)
+    assert (syncs, implicit) == (STEPS, []), (syncs, implicit)
     assert on_demand.counters.replayed_steps == 0 and on_demand.counters.steps == STEPS
     predicting = manager(tmp_path / "b", predict=True)
     token = torch.tensor([7], device="cuda")  # vLLM's input ids live on the GPU
     p_syncs, p_implicit, p_us = run(predicting, Graph(predicting), token_ids=token)
     assert predicting.counters.replayed_steps == 0
-    assert p_syncs + p_implicit > syncs + implicit
+    assert p_syncs + len(p_implicit) > syncs
     print(
         f"per miss-free step: on demand {syncs / STEPS:.0f} sync, {us:.1f} us; predicting "
-        f"{(p_syncs + p_implicit) / STEPS:.1f} syncs, {p_us:.1f} us ({p_us / us:.2f}x)"
+        f"{(p_syncs + len(p_implicit)) / STEPS:.1f} syncs, {p_us:.1f} us ({p_us / us:.2f}x)"
     )
     # unregistered before their stores free the memory (else a later store's arena at the same
     # address fails cudaHostRegister, "already mapped", and the next CUDA call reports it)
@@ -175,7 +177,7 @@ def test_a_pool_held_whole_beside_the_fp4_tier_runs_its_steps_without_a_sync(tmp
     whole.hold_every_expert()
     graph = Graph(whole)
     syncs, implicit, us = run(whole, graph)
-    assert (syncs, implicit) == (0, 0), (syncs, implicit)
+    assert (syncs, implicit) == (0, []), (syncs, implicit)
     assert fp4.tier.counters.steps == STEPS - OBSERVE_LAG  # the last passes are on their way
     routed = {layer * E + int(e) for layer in range(L) for e in graph.ids[layer].flatten()}
     held = set(np.flatnonzero(fp4.tier.resident).tolist())
@@ -214,7 +216,7 @@ def test_fp4_promotions_are_queued_copies_from_the_pinned_arena(tmp_path):
                 torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0
             assert (syncs.n == 0) == (backend == "ram"), (backend, syncs.n)
-            assert syncs.implicit == 0, (backend, syncs.implicit)  # the table published queued
+            assert syncs.sites == [], (backend, syncs.sites)  # the table published queued
             table = fp4.table.cpu().numpy()
             for key in keys:
                 layer, e = divmod(int(key), n_exp)
