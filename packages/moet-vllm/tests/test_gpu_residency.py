@@ -116,7 +116,9 @@ class CountedSyncs:
         torch.cuda.Stream.synchronize = self._original
         self._caught.__exit__(*exc)
         self.sites = [  # torch's own text (not set_sync_debug_mode's first-call notice)
-            f"{w.filename}:{w.lineno}" for w in self._warnings if str(w.message) == SYNC_WARNING
+            f"{w.filename}:{w.lineno}"
+            for w in self._warnings
+            if str(w.message).startswith(SYNC_WARNING)
         ]
 
 
