@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "[tokens, MoE layers, top-k] and its .json sidecar) through the serving policy and its "
         "alternatives at each pool size: the share of decode steps that would replay (a miss, a "
         "fetch, the step again) and the missing experts per step; Belady's offline schedule is "
-        "the best a policy could do, and --bound adds a replay %% no schedule can go below.",
+        "the best a policy could do, and --bound adds a replay % no schedule can go below.",
     )
     plan.add_argument("trace", help="routing trace (.npy, with its .json sidecar beside it)")
     plan.add_argument("--pool", nargs="+", required=True, metavar="SLOTS",
@@ -151,9 +151,11 @@ PLAN_POLICIES = ("decay", "lru", "lfu", "belady")  # decay: the serving policy
 def _plan_slots(text: str, n_keys: int) -> int:
     from moet_quant.errors import MoetError
 
+    from .config import size_slots
+
     try:
-        n = round(float(text[:-1]) / 100 * n_keys) if text.endswith("%") else int(text)
-    except ValueError:
+        n = size_slots(text, n_keys)  # as serving sizes a pool
+    except (ValueError, OverflowError):  # not a number, or inf%
         n = -1
     if not 1 <= n <= n_keys:
         raise MoetError(f"--pool {text}: expected 1..{n_keys} slots or a percentage of them")

@@ -364,11 +364,14 @@ def pool_slots(cfg: MoetConfig, n_keys: int) -> int | None:
         return None
     if cfg.gpu_pool == "auto":
         raise ValueError("gpu_pool='auto' has no size before the KV cache is allocated")
-    if cfg.gpu_pool.endswith("%"):
-        n = int(n_keys * float(cfg.gpu_pool[:-1]) / 100)
-    else:
-        n = int(cfg.gpu_pool)
+    n = size_slots(cfg.gpu_pool, n_keys)
     return None if n >= n_keys else max(n, 1)
+
+
+def size_slots(size: str, n_keys: int) -> int:
+    """A pool size as gpu_pool and fp4_pool take it: "N" slots, or "P%" of the `n_keys` pairs,
+    rounded down (ValueError for other text)."""
+    return int(n_keys * float(size[:-1]) / 100) if size.endswith("%") else int(size)
 
 
 FP4_AUTO_SHARE = 0.25  # fp4_pool=auto: at most this share of the pairs (docs/quality.md)
@@ -381,9 +384,7 @@ def fp4_pool_slots(cfg: MoetConfig, n_keys: int) -> int:
         return 0
     if cfg.fp4_pool == "auto":
         return int(n_keys * FP4_AUTO_SHARE)
-    if cfg.fp4_pool.endswith("%"):
-        return min(n_keys, int(n_keys * float(cfg.fp4_pool[:-1]) / 100))
-    return min(n_keys, int(cfg.fp4_pool))
+    return min(n_keys, size_slots(cfg.fp4_pool, n_keys))
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -188,15 +188,16 @@ class _Decisions:
             c = float(int(logits.argmax()) == fp4_top)
         else:
             c = float(confidence(logits, self.cfg.metric))
-        self.w2_share = self.tier.w2_share(self.experts.keys()) if self.tier is not None else 1.0
-        gated = self.tier is not None and self.tier.gates(c, self.experts.keys(), self.cfg.tau)
+        routed = self.experts.keys()  # the pass's routing
+        self.w2_share = self.tier.w2_share(routed) if self.tier is not None else 1.0
+        gated = self.tier is not None and self.tier.gates(c, routed, self.cfg.tau)
         if gated:
-            self._apply(self.tier.gate_plan(self.experts.keys()))
+            self._apply(self.tier.gate_plan(routed))
             cache.crop(-ids.shape[1])
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
             logits = logits[0, -1]
+            routed = self.experts.keys()  # the replay's, the final pass
         if self.tier is not None:
-            routed = self.experts.keys()
             self.tier.observe(routed, gated)
             self._apply(self.tier.heat_plan(routed))
         return logits, c, gated
