@@ -17,7 +17,7 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-nox.options.sessions = ["lint", "versions", "recipes", "sass", "tests"]
+nox.options.sessions = ["lint", "versions", "recipes", "report", "sass", "tests"]
 nox.options.error_on_missing_interpreters = True
 
 # short name -> distribution folder under packages/
@@ -185,56 +185,32 @@ def install(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def ci(session: nox.Session) -> None:
-    """Everything CI runs, in order: lint, versions, recipes, sass, every test suite, wheels,
-    install."""
-    for name in ["lint", "versions", "recipes", "sass"]:
+    """Everything CI runs, in order: lint, versions, recipes, the benchmark tables' check, sass,
+    every test suite, wheels, install."""
+    for name in ["lint", "versions", "recipes"]:
         session.notify(name)
+    session.notify("report", ["--check"])
+    session.notify("sass")
     for short in PACKAGES:
         session.notify(f"tests({short})")
     session.notify("wheels")
     session.notify("install")
 
 
-BENCHES = (  # bench/<name>.py
-    "quant",
-    "store",
-    "vllm_load",
-    "residency",
-    "residency_serving",
-    "residency_gpu",
-    "kernels",
-    "kernel_activations",
-    "serving_gpu",
-)
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks, not timed tests: `nox -s bench -- RECIPE [RECIPE ...]` runs recipes of
+    bench/recipes/ (`-- --list` lists them) through bench/run.py, each with its baselines in the
+    same run, one result file per run under bench/results/<recipe>/ (docs/development.md,
+    "Benchmarks"). On the GPU machine, without nox: `python3 bench/run.py RECIPE`."""
+    session.run("python", "bench/run.py", *(session.posargs or ["--list"]))
 
 
 @nox.session(python=False)
-@nox.parametrize("what", BENCHES, ids=BENCHES)
-def bench(session: nox.Session, what: str) -> None:
-    """Benchmarks, not timed tests: ratios to a baseline of the same run; JSON in bench/results/.
-
-    quant: re-quantization MB/s per core vs the float64 spec and a cold read; store: arena hits,
-    page-cache misses vs memcpy, O_DIRECT vs dd, pinned H2D (packages/moet-store/README.md);
-    vllm_load: vLLM's weight-load phase re-quantizing a >= 2 GB checkpoint vs the pack cache;
-    residency: the expert-pool policy vs Belady on synthetic and the fixture's routing traces
-    (docs/residency.md);
-    residency_serving: vLLM CPU decode tokens/s of the fixture with a 100/50/25% expert pool vs
-    all resident, and at 50/25% without the predicted fetch;
-    residency_gpu: the serving manager, a moet-store host tier and moet-kernels in a captured CUDA
-    graph (bench/h200/residency.sh on the H200; on a CPU pass a toy stack, e.g. `-- --hidden 256
-    --inter 128 --experts 16 --layers 2`): bit-identity, replay % (= the simulator's) and step time
-    vs pool coverage, per policy (`--trace fixture --policies decay predict`), fetch vs pinned H2D
-    (docs/residency.md);
-    kernels: needs a CUDA GPU (bench/h200/kernels.sh on the H200): validates the W2 MoE op against
-    float64 references and times a GLM-5.2 layer vs the copy bandwidth (docs/kernels.md);
-    kernel_activations: how far int8 (per 128) and e4m3 (per token) activations move the trained
-    fixture's MoE outputs from exact (needs the checkpoint `bash ci/main.sh` writes);
-    serving_gpu: end-to-end decode tok/s of moet vs stock vLLM bf16 / FP8 on a shape of
-    bench/shapes/ with synthetic weights and a designed routing (D measured per engine), one
-    engine per process (bench/serving_gpu.sh on the H200; on a CPU a tiny shape, batch 1 and 2,
-    FP8 skipped).
-    """
-    session.run("python", f"bench/{what}.py", *session.posargs)
+def report(session: nox.Session) -> None:
+    """Render every benchmark table in README.md and docs/ from the committed runs
+    (bench/report.py); `-- --check` (in `ci`) fails when one differs from what they render."""
+    session.run("python", "bench/report.py", *session.posargs)
 
 
 os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")

@@ -3,7 +3,7 @@
     python bench/kernels.py [--out DIR] [--only validate|time|refine] [--sanitize] [--seed N]
         [--shape glm-5.2|glm-4.5-air|...] [--batches 1 8 32 512]
 
-Run by `nox -s "bench(kernels)"` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
+Run by `nox -s bench -- kernels-vs-vllm` or directly on the GPU machine (bench/h200/kernels.sh). Builds the
 cubin for the GPU with nvcc (unless MOET_KERNELS_CUBIN_DIR points at built ones), then:
 
 - validate: the kernels' validation lives in moet_kernels.testing (synthetic layers, the cases,
@@ -42,8 +42,8 @@ for _pkg in ("moet-kernels", "moet-quant"):  # the references decode with moet-q
     sys.path.insert(0, str(ROOT / "packages" / _pkg / "src"))
 
 import torch  # noqa: E402
-from provenance import provenance  # noqa: E402  (bench/, the script's folder)
-from results_io import machine, write_result  # noqa: E402
+from provenance import machine, provenance  # noqa: E402  (bench/, the script's folder)
+from results_io import write_result  # noqa: E402
 
 # The synthetic layers and the validation live in moet_kernels.testing, shared with the GPU test
 # suite; bench/h200's probes and bench/residency_gpu.py import Layer, routing, run_op, SHAPES and
@@ -259,7 +259,7 @@ def main() -> int:
                     help="also time these token counts with jobs of 8 and of 16 pairs")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("bench(kernels) needs a CUDA GPU; none here", file=sys.stderr)
+        print("bench/kernels.py needs a CUDA GPU; none here", file=sys.stderr)
         return 2
     build_cubin()
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")

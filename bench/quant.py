@@ -1,6 +1,6 @@
 """Re-quantization throughput (source MB/s per core) vs a cold read of the same bytes.
 
-Run through nox: `nox -s "bench(quant)"`. For each source format it writes one synthetic
+Run through nox: `nox -s bench -- quant-throughput`. For each source format it writes one synthetic
 Qwen3-235B-shaped MoE layer (H 4096, I 1536, 4 experts), then in the same run measures:
   cold read   the shards read after evicting them from the page cache (posix_fadvise DONTNEED)
   spec path   the literal float64 quantizer on the decoded weights (the baseline)
@@ -137,7 +137,7 @@ def main() -> int:
             "python": platform.python_version(),
             "numpy": np.__version__,
         },
-        "command": "nox -s 'bench(quant)'",
+        "command": "nox -s bench -- quant-throughput",
         "shape": SHAPE,
         "target_MB_s_per_core": TARGET_MB_S,
         "results": rows,

@@ -26,7 +26,7 @@ that the captured graph copies into the manager's `route_ids`.
   copy of the same rows measured in the same run, and the simulator's replay % for the same trace,
   pool, policy and warm start; once, the fetch's cost by batch size (`fetch_costs`).
 
-The first quarter of the steps warms the policy and is not counted (as in bench(residency)).
+The first quarter of the steps warms the policy and is not counted (as in bench/residency.py).
 Writes <machine>-<date>.json to --out (default bench/results/residency_gpu/), with the run's
 provenance (bench/provenance.py).
 """
@@ -48,9 +48,9 @@ for pkg in ("moet-kernels", "moet-quant", "moet-vllm"):  # pure Python; moet-sto
     sys.path.insert(0, str(ROOT / "packages" / pkg / "src"))
 
 from kernels import build_cubin, random_scales  # noqa: E402  (bench/, the script's folder)
-from provenance import provenance  # noqa: E402
+from provenance import machine, provenance  # noqa: E402
 from residency import load_fixture  # noqa: E402  (bench/residency.py: the fixture's trace)
-from results_io import machine, write_result  # noqa: E402
+from results_io import write_result  # noqa: E402
 
 import moet_store  # noqa: E402
 from moet_kernels.layout import NativeRowLayout, RowLayout  # noqa: E402

@@ -11,7 +11,7 @@
 
 On the H200: `MOET_COMMIT=<sha> bash bench/serving_gpu.sh [ENGINE ...]` (vLLM 0.24 staged in
 ~/site; defaults: glm45air-12l, batch 1 / 8 / 32, 128 + 256 tokens, graphs at 1 2 4 8 16 24 32).
-On a CPU: `nox -s "bench(serving_gpu)"` (no arguments: `compare` with tiny-qwen3moe, batch 1 and 2,
+On a CPU: `nox -s bench -- serving-cpu-tiny` (no arguments: `compare` with tiny-qwen3moe, batch 1 and 2,
 16 + 8 tokens, eager).
 
 `run` builds ONE engine per invocation (vLLM spawns processes; the engine's memory is only
@@ -98,7 +98,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from provenance import portable_arg, provenance  # noqa: E402  (bench/)
+from provenance import machine, portable_arg, provenance  # noqa: E402  (bench/)
 
 ENGINES = ("stock-bf16", "stock-fp8", "stock-int4", "moet")
 GPTQ_QC = {  # stock-int4: GPTQ W4A16 as vLLM 0.24 serves it (Marlin); "-:" skips the routers
@@ -139,14 +139,6 @@ def has_cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def machine_tag() -> str:
-    """`h200` where nvidia-smi names one (results_io.machine's tag, without initializing CUDA)."""
-    from provenance import gpus
-
-    found = gpus()
-    return found[0]["name"].split()[-1].lower() if found else "cpu"
 
 
 def shape_path(shape: str) -> Path:
@@ -954,7 +946,7 @@ def default_out() -> str:
     if os.environ.get("OUT"):
         return os.environ["OUT"]
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    return str(HERE / "results" / "serving_gpu" / f"{machine_tag()}-{day}")
+    return str(HERE / "results" / "serving_gpu" / f"{machine()}-{day}")
 
 
 def options(ap: argparse.ArgumentParser, defaults: dict) -> None:

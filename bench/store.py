@@ -1,4 +1,4 @@
-"""moet-store benchmark (not a timed test): run by `nox -s "bench(store)"`.
+"""moet-store benchmark (not a timed test): run by `nox -s bench -- store-reads`.
 
 Measures, in one run, against baselines measured in the same run:
   1. arena hit path: 64-row batch fetch+release (zero copy, proven by pointer identity);

@@ -1,6 +1,6 @@
 """The weight-load phase of vLLM with moet: re-quantizing at load vs reading the pack cache.
 
-Run through nox: `nox -s "bench(vllm_load)"`. One generated Qwen3-MoE checkpoint of >= 2 GB (bf16,
+Run through nox: `nox -s bench -- vllm-load`. One generated Qwen3-MoE checkpoint of >= 2 GB (bf16,
 seeded, cached under $XDG_CACHE_HOME/moet/bench) is served by vLLM (CPU, float32) with
 `--quantization moet` twice in the same run, with an empty pack cache (cold: experts re-quantized)
 and then with the cache the first boot wrote (warm). Reported from the logs of each boot: vLLM's
@@ -146,7 +146,7 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
         },
-        "command": "nox -s 'bench(vllm_load)'",
+        "command": "nox -s bench -- vllm-load",
         "checkpoint_bytes": size,
         "geometry": GEOMETRY,
         "cold": cold,

@@ -1,0 +1,160 @@
+"""The benchmark system (bench/run.py, bench/report.py, bench/recipes/): every committed recipe is
+valid and every figure renders from its newest committed run; the runner runs a recipe and writes
+one run file with the one provenance schema; the report renders a table from it and its check
+fails on a stale one; bad recipes and failing commands give one clear line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+BENCH = ROOT / "bench"
+PROVENANCE = {"gpu", "driver", "torch", "vllm", "commit", "command", "date", "machine"}
+
+
+def bench(script: str, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(BENCH / script), *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def tools():
+    sys.path.insert(0, str(BENCH))
+    import report
+    import run
+
+    yield run, report
+    sys.path.remove(str(BENCH))
+
+
+def test_every_recipe_loads_and_every_figure_renders_from_its_newest_run(tools):
+    run, report = tools
+    names = sorted(p.stem for p in run.RECIPES.glob("*.toml"))
+    assert len(names) >= 10
+    tables = report.figures(report.RESULTS)
+    assert tables["readme"]  # the README's table
+    rendered = 0
+    for figs in tables.values():
+        for fig, run_file in figs:
+            if run_file is not None:
+                assert report.row(fig, run_file, ROOT / "README.md").count("|") == 7
+                rendered += 1
+    assert rendered >= 10
+
+
+def test_the_committed_tables_are_what_the_runs_render():
+    r = bench("report.py", "--check")
+    assert r.returncode == 0, r.stderr
+
+
+def test_resolve_picks_list_elements_by_fields_and_says_what_is_missing(tools):
+    run, report = tools
+    data = {"tables": [{"pool": "all", "rows": [{"batch": 1, "tok_s": 5}, {"batch": 8, "tok_s": 9}]},
+                       {"pool": "all, fp4 25%", "rows": [{"batch": 1, "tok_s": 3}]}]}  # fmt: skip
+    assert report.resolve(data, "tables[pool=all].rows[batch=8].tok_s") == 9.0
+    assert report.resolve(data, "tables[pool=all, fp4 25%].rows[0].tok_s") == 3.0
+    with pytest.raises(run.RecipeError, match=r"0 elements of rows match \[batch=2\]"):
+        report.resolve(data, "tables[pool=all].rows[batch=2].tok_s")
+    with pytest.raises(run.RecipeError, match=r"no 'tok' \(found \['batch', 'tok_s'\]\)"):
+        report.resolve(data, "tables[pool=all].rows[batch=1].tok")
+    with pytest.raises(run.RecipeError, match="expected a number"):
+        report.resolve(data, "tables[pool=all].pool")
+
+
+RECIPE = """description = "a test recipe: a value and its baseline, written by the command"
+machine = "cpu"
+command = ["python", "-c", "import json, os; open(os.path.join(os.environ['BENCH_OUT'], 'r.json'), 'w').write(json.dumps({'rows': [{'batch': 1, 'moet': 30.0, 'stock': 20.0}]}))"]
+result = "r.json"
+
+[[figure]]
+table = "test"
+what = "decode, batch 1"
+value = "rows[batch=1].moet"
+baseline = "rows[batch=1].stock"
+vs = "stock"
+unit = "tok/s"
+target = ">= 1.35"
+"""
+
+
+def test_a_recipe_runs_writes_one_run_file_and_renders_a_table(tmp_path, tools):
+    run, report = tools
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(RECIPE)
+    results = tmp_path / "results"
+    r = bench("run.py", "--results", str(results), str(recipe))
+    assert r.returncode == 0, r.stderr
+    (path,) = (results / "tiny").glob("cpu-*.json")
+    body = json.loads(path.read_text())
+    assert body["schema"] == 1 and body["recipe"]["name"] == "tiny"
+    assert set(body["provenance"]) >= PROVENANCE and body["provenance"]["machine"] == "cpu"
+    assert body["result"] == {"rows": [{"batch": 1, "moet": 30.0, "stock": 20.0}]}
+    fig = run.load_recipe(str(recipe))["figure"][0]
+    line = report.row(fig, path, tmp_path / "doc.md")
+    assert "| 30.0 tok/s | 20.0 tok/s (stock) | 1.50× | ≥ 1.35×: met |" in line
+    assert f"(results/tiny/{path.name})" in line  # linked relative to the page
+    doc = tmp_path / "doc.md"
+    doc.write_text("# page\n<!-- bench:test begin -->\nstale\n<!-- bench:test end -->\n")
+    new, seen = report.render(doc, doc.read_text(), {"test": [(fig, path)]})
+    assert seen == {"test"} and "stale" not in new and line in new
+    assert report.render(doc, new, {"test": [(fig, path)]})[0] == new  # stable
+
+
+def test_the_check_fails_on_a_stale_table_with_one_line(tmp_path):
+    doc = tmp_path / "README.md"
+    doc.write_text("<!-- bench:readme begin -->\nedited by hand\n<!-- bench:readme end -->\n")
+    r = bench("report.py", "--check", "--docs", str(doc))
+    assert r.returncode == 1 and "run `nox -s report`" in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "edited by hand" in doc.read_text()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda s: s.replace('machine = "cpu"', 'machine = "tpu"'),
+            "machine: expected one of cpu, h200",
+        ),
+        (lambda s: 'colour = "red"\n' + s, "unknown keys ['colour']"),
+        (lambda s: s.replace('target = ">= 1.35"', 'target = "about 1.35"'), "figure[0].target"),
+        (lambda s: s + 'colour = "red"\n', "figure[0]: unknown keys ['colour']"),
+        (
+            lambda s: s.replace('value = "rows[batch=1].moet"\n', ""),
+            "figure[0].value: expected a string",
+        ),
+        (lambda s: s.replace("result = ", "result = 3 #"), "result: expected a file name"),
+        (
+            lambda s: s.replace('"python", "-c"', '"python", "-c", "raise SystemExit(3)", "-c"'),
+            "its command exited 3",
+        ),
+        (
+            lambda s: s.replace('result = "r.json"', 'result = "other.json"'),
+            "result 'other.json': expected one file in the run's directory, found 0",
+        ),
+    ],
+)
+def test_a_bad_recipe_or_a_failing_command_is_one_clear_line(tmp_path, edit, message):
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text(edit(RECIPE))
+    r = bench("run.py", "--results", str(tmp_path / "results"), str(recipe))
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("bench/run: error: ") and message in err, err
+    assert "Traceback" not in r.stderr and not (tmp_path / "results").exists()
+
+
+def test_a_recipe_for_another_machine_is_refused(tmp_path):
+    recipe = tmp_path / "gpu.toml"
+    recipe.write_text(RECIPE.replace('machine = "cpu"', 'machine = "h200"'))
+    r = bench("run.py", "--results", str(tmp_path), str(recipe), cwd=tmp_path)  # CI has no GPU
+    assert r.returncode == 2 and "runs on h200, this machine is cpu" in r.stderr
+
+
+def test_an_unknown_recipe_names_the_known_ones():
+    r = bench("run.py", "no-such-recipe")
+    assert r.returncode == 2 and "no such recipe" in r.stderr and "decode-glm45air" in r.stderr
