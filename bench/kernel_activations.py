@@ -1,5 +1,5 @@
 """How far the kernels' activation quantization moves the trained fixture (CPU; an input to the
-sm_90a wgmma plan of docs/kernels.md).
+sm_90a wgmma plan of docs/kernels-design.md).
 
     python bench/kernel_activations.py [--out DIR] [--tokens N] [--ppl-tokens N]
 

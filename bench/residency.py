@@ -1,7 +1,7 @@
 """The expert-pool cache policy vs Belady, on synthetic and real routing traces (issue 7's simulator).
 
 Run through nox: `nox -s bench -- residency-policy` (`residency-tune`, its `--tune`, adds the decay half-life sweep and the
-variants tried, docs/residency.md "What was tried"). Traces: two synthetic ones
+variants tried, docs/residency-design.md "What was tried"). Traces: two synthetic ones
 (DeepSeek-V4-Flash- and GLM-5.2-shaped, moet_vllm.planning.traces, seed 0) and the fixture
 model's real one (bench/fixture: the routing of its test split, written by
 bench/fixture/evaluate.py; its first FIXTURE_TOKENS tokens, with their token ids). For each

@@ -1,5 +1,5 @@
 """The policy variants tried against the 1.5x-of-Belady target (bench/residency.py --tune;
-docs/residency.md, "What was tried"). None of them is served: they stay here, measured.
+docs/residency-design.md, "What was tried"). None of them is served: they stay here, measured.
 
 - ``decay+pf``: decayed frequency that also prefetches on replay steps (simulate.py).
 - ``thresh``: a key routed at least twice lately (decayed count >= 1.5 at half-life 32) ranks

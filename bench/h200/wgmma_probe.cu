@@ -1,5 +1,5 @@
 // A probe, not a shipped kernel: how fast would w13's W2 decode run on sm_90a's e4m3 wgmma
-// (docs/kernels.md, "What should close the gap", item 1)? Same code bytes as the native v2 layout
+// (docs/kernels-design.md, "What should close the gap", item 1)? Same code bytes as the native v2 layout
 // (a warp's 16-byte piece per row tile and chunk, PRMT decode), but:
 //
 // - levels are e4m3 bytes: code {-4,-1,+1,+4} times 2^(f - 6), f = 0..12 one 5-bit field per

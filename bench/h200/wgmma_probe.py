@@ -181,7 +181,7 @@ def main() -> int:
               "baseline": base, "probe": pr, "probe_over_baseline_time": pr["us"] / base["us"]}  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "wgmma-probe.json").write_text(json.dumps(report, indent=1))
-    # ~1.5e-3 is Hopper's FP8 wgmma accumulation over K = 6144 without promotion (docs/kernels.md);
+    # ~1.5e-3 is Hopper's FP8 wgmma accumulation over K = 6144 without promotion (docs/kernels-design.md);
     # a wrong fragment or B layout gives errors of order 1
     ok = pr["finite"] and max(pr["rel_err_vs_float64"]) < 1e-2
     return 0 if ok else 1
