@@ -10,7 +10,7 @@ same run replays the trace through LRU, LFU, decayed frequency, the serving poli
 frequency plus the fetch of the experts a step's tokens are predicted to route: traces with
 tokens only), Belady's MIN and Belady for replay steps, MIN with prefetch on replay steps, on the
 synthetic traces the oracle told the generator's hidden state (with and without prefetch on
-replay steps: bench/residency_variants.py), and computes the lower bounds (simulate.py explains
+replay steps: bench/probes/residency_variants.py), and computes the lower bounds (simulate.py explains
 them all). Every policy starts from the same warm
 pool, the experts most routed in the first quarter of the steps (the hot set a server would have
 persisted from past traffic; the whole trace's hottest would tell every policy, Belady most, what
@@ -146,7 +146,7 @@ def job(args: tuple) -> dict:
         return sim.run_policy(name_, steps, n_slots, L, E, **kw, **knobs).as_dict()
 
     if extra:  # --tune: the half-life sweep and the variants tried, next to the offline policies
-        import residency_variants as variants
+        from probes import residency_variants as variants
 
         row["half_life"] = {str(h): run("decay", half_life_steps=h) for h in HALF_LIVES}
         for name_ in sim.OFFLINE:
@@ -165,7 +165,7 @@ def job(args: tuple) -> dict:
     if toks is not None:
         row["predict"] = run("predict", tokens=toks[0], token_keys=toks[1])
     else:  # a synthetic trace: the policy that learned its routing perfectly, for reference
-        import residency_variants as variants
+        from probes import residency_variants as variants
 
         row.update(variants.oracles(name, tr, steps, n_slots, kw, batch))
     n = len(steps) - warm

@@ -26,7 +26,7 @@ done
 if [ "${NCU:-0}" = 1 ]; then  # where the w13/w2 time goes: Nsight Compute on one decode layer
   ncu --clock-control none -k regex:moet_w -c 2 --section SpeedOfLight --section WarpStateStats \
     --section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats \
-    python3 bench/h200/kernels_ncu.py 8 >"$out/ncu.log" 2>&1
+    python3 bench/probes/kernels_ncu.py 8 >"$out/ncu.log" 2>&1
   echo "ncu: exit $?"
   grep -vE "^==PROF==|^ *$|----" "$out/ncu.log" | grep -E "moet_|Throughput|Duration|Issue|Stall|Pipe|Occupancy|Registers|Warp Cycles|Eligible|Active|No Eligible|IPC|Executed" | head -60
 fi

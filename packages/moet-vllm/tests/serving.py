@@ -224,7 +224,7 @@ GPU_DRIVER_FLAGS = ("--graphs", "1", "2", "4", "8", *GPU_KV_FLAGS)
 # that prefill on. vLLM 0.24 also turns on Inductor's combo kernels with benchmark_combo_kernel
 # (timed too), so the driver's --untimed-compile turns them off and runs the norms, the model's
 # reductions, as vLLM's CUDA kernel. Run 9 still parted engines of every kind (twins of the
-# reference too) one of two ways; bench/h200/bitwise_probe.py (2026-12-03, 10 engines side by side)
+# reference too) one of two ways; bench/probes/bitwise_probe.py (2026-12-03, 10 engines side by side)
 # found it in the compile cache they share: compiling side by side into one cache, 3 of the 7
 # compiled engines (a resident twin among them) parted from the first at the second wave's
 # prefill; with vLLM's compile cache off (each engine compiles on its own) all 10 agreed bit for

@@ -10,7 +10,7 @@
 // - the CTA's 4 warps are one warpgroup: warp w decodes row tile w over all of K (no split-K), and
 //   the decode of chunk c + 1 runs while chunk c's wgmmas are in flight.
 //
-// probe_w13 writes acc * xscale[n] (f32, out[job][n][unit * 64 + row]); bench/h200/wgmma_probe.py
+// probe_w13 writes acc * xscale[n] (f32, out[job][n][unit * 64 + row]); bench/probes/wgmma_probe.py
 // checks it against float64 and times it against moet_w13 in the same run. The shipped source is
 // included for its streaming loads and chunk sizes (ld_stream16, ld_stream8, CODE_CHUNK,
 // SCALE_CHUNK), so the probe reads the bytes exactly as moet_w13 does.

@@ -1,7 +1,7 @@
 """Which engines of the tiered comparison agree bit for bit, and where they part: a probe for
 test_gpu_tiered's bit-for-bit tests (one device run, the packages installed as ci/gpu.sh does).
 
-    python3 bench/h200/bitwise_probe.py --out $OUT
+    python3 bench/probes/bitwise_probe.py --out $OUT
 
 Runs, side by side as the GPU suite does, twins of each kind of engine (all-resident, a replayed
 50% pool, the floor read in place), compiled with CUDA graphs and eager, on the fixture's prompts,

@@ -1,6 +1,6 @@
-"""The sm_90a wgmma probe (bench/h200/wgmma_probe.cu) against moet_w13, same run, on the H200.
+"""The sm_90a wgmma probe (bench/probes/wgmma_probe.cu) against moet_w13, same run, on the H200.
 
-    python3 bench/h200/wgmma_probe.py [--out DIR]
+    python3 bench/probes/wgmma_probe.py [--out DIR]
 
 moet_w13 runs a GLM-5.2 layer's gate/up at batch 8 (the route kernel's jobs for a uniform routing);
 the probe runs the same number of jobs x 64-row units x 48 chunks of 128 over random codes and

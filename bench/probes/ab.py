@@ -1,6 +1,6 @@
 """A/B timing of two kernel trees on the GPU, in one device run, rounds interleaved.
 
-    python3 bench/h200/ab.py --a build/ab-old --b . [--rounds 3] [--batches 1 8 32] --out $OUT
+    python3 bench/probes/ab.py --a build/ab-old --b . [--rounds 3] [--batches 1 8 32] --out $OUT
 
 Each side runs `bench/kernels.py --only time --no-wide --no-fp4` in its own tree (so with its own
 CUDA source, built there) in the order A, B, A, B, ...: a drift of the GPU between runs (the H200

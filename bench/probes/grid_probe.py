@@ -1,6 +1,6 @@
 """How many CTAs the persistent GEMM kernels should run (GLM-5.2 W2 layer, H200).
 
-    python3 bench/h200/grid_probe.py --out DIR
+    python3 bench/probes/grid_probe.py --out DIR
 
 The op launches moet_w13 / moet_w2 with as many CTAs as fit (3 per SM: 396 on the H200). At
 batch 1 w13 has 512 work items, so 116 CTAs take a second round while the rest idle. This times
