@@ -122,3 +122,58 @@ def test_never_loads_pickles(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not a real pickle")
     with pytest.raises(CheckpointError, match="never loads pickled"):
         ShardedSafetensors(tmp_path)
+
+
+class _Spy:
+    """Records which methods of the library's handle are called."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.inner, name)
+
+
+def test_part_reads_one_slice_through_the_library(tmp_path):
+    ts = {
+        "u": torch.randint(0, 255, (3, 4, 5), dtype=torch.uint8),
+        "f": torch.randn(2, 3, 4),
+        "b": torch.randn(3, 2, dtype=torch.bfloat16),
+    }
+    save_file(ts, tmp_path / "m.safetensors")
+    f = SafetensorsFile(tmp_path / "m.safetensors")
+    f._st = spy = _Spy(f._st)
+    for name, t in ts.items():
+        for e in range(t.shape[0]):
+            raw = t[e].contiguous().view(torch.uint8).numpy().tobytes()
+            assert f.part(name, e).tobytes() == raw and f.part(name, e).shape == tuple(t.shape[1:])
+    assert set(spy.calls) == {"get_slice"}  # never the whole tensor (bf16 comes from the map)
+    assert (f.array("f") == ts["f"].numpy()).all() and spy.calls[-1] == "get_tensor"
+    with pytest.raises(IndexError, match="has no index 3"):
+        f.part("u", 3)
+
+
+def test_bf16_and_fp8_we_write_read_back_by_the_library(tmp_path):
+    bits = {
+        "b": ("BF16", torch.bfloat16, np.arange(0x3F00, 0x3F0C, dtype=np.uint16).reshape(3, 4)),
+        "e4": ("F8_E4M3", torch.float8_e4m3fn, np.arange(0, 120, 10, dtype=np.uint8)),
+        "e5": ("F8_E5M2", torch.float8_e5m2, np.arange(1, 13, dtype=np.uint8).reshape(2, 6)),
+        "m": ("F8_E8M0", torch.float8_e8m0fnu, np.arange(120, 132, dtype=np.uint8)),
+    }
+    metas = [OutTensor(n, dt, a.shape) for n, (dt, _, a) in bits.items()]
+    write_safetensors(tmp_path / "w.safetensors", metas, (a for _, _, a in bits.values()))
+    back = load_file(tmp_path / "w.safetensors")
+    f = SafetensorsFile(tmp_path / "w.safetensors")
+    for n, (_, tdt, a) in bits.items():
+        assert back[n].dtype == tdt and back[n].view(torch.uint8).numpy().tobytes() == a.tobytes()
+        assert (f.array(n) == a).all() and f.tensors[n].dtype == bits[n][0]
+
+
+def test_what_only_the_library_refuses_is_one_error_naming_the_file(tmp_path):
+    p = _write(tmp_path)
+    p.write_bytes(p.read_bytes() + bytes(8))  # bytes after the last tensor: our checks pass
+    with pytest.raises(
+        CheckpointError, match=r"m\.safetensors: refused by the safetensors library"
+    ):
+        SafetensorsFile(p)

@@ -286,7 +286,7 @@ class Checkpoint:
             share = (bi.nbytes + st.info(parts["_scales"]).nbytes) // n_e
 
             def rows_of(e: int, proj: str) -> tuple[np.ndarray, np.ndarray]:
-                blocks, scales = st.array(parts["_blocks"])[e], st.array(parts["_scales"])[e]
+                blocks, scales = st.part(parts["_blocks"], e), st.part(parts["_scales"], e)
                 if proj == "down":
                     return blocks, scales
                 half = {"gate": 0, "up": 1}[proj]
@@ -343,7 +343,7 @@ class Checkpoint:
         projs = ("down",) if g["proj"] == "down_proj" else ("gate", "up")
 
         def view(e: int, proj: str) -> np.ndarray:
-            x = st.array(t.name)[e]
+            x = st.part(t.name, e)
             if gptoss:  # K-major: [K, N] (down) or [K, 2N] interleaved (gate_up)
                 x = x if proj == "down" else x[:, {"gate": 0, "up": 1}[proj] :: 2]
                 return np.ascontiguousarray(x.T)

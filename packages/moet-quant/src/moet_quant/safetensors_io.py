@@ -1,10 +1,12 @@
-"""Safetensors, read and written without unpickling anything and without holding a checkpoint in RAM.
+"""Safetensors through the `safetensors` library, with moet's checks and atomic writes around it.
 
-Reading maps each file and hands out one tensor at a time as a read-only numpy view (the page cache
-holds the bytes, so memory stays bounded by what the caller keeps). Headers are validated in full
-before any tensor is used: a truncated or corrupt file is a clear error naming the file and tensor.
-Writing streams tensors into `<name>.partial` and renames only after fsync, so a file that exists
-under its final name is complete.
+Reading: the header is checked first (length, JSON, every entry's dtype, shape, byte count and
+bounds, overlaps) so that a truncated or corrupt file is one clear error naming the file and
+tensor; then the library opens the file (`safe_open`: lazy, mmap-backed, its own checks too) and
+reads one tensor, or one leading-index slice of it, at a time. Nothing is unpickled and no
+checkpoint is held in RAM. bf16 and fp8 come as raw bits (see `RAW_BITS`).
+Writing streams tensors into `<name>.partial`, has the library open it, and renames only after
+fsync, so a file that exists under its final name is complete and readable by the library.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import safetensors
 
 from .errors import CheckpointError
 
@@ -40,6 +43,9 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "F8_E5M2": np.dtype(np.uint8),
     "F8_E8M0": np.dtype(np.uint8),
 }
+# numpy has no bf16/fp8 and the library's numpy framework refuses them: their bits come from a
+# read-only map of the file instead (the library still validated the file)
+RAW_BITS = frozenset({"BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0"})
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -108,6 +114,11 @@ class SafetensorsFile:
                 raise _fail(self.path, f"tensors {a!r} and {b!r} overlap")
         self.size = size
         self._mm: mmap.mmap | None = None
+        try:  # the library's own checks (e.g. bytes no tensor covers) on top of ours
+            self._st = safetensors.safe_open(str(self.path), framework="numpy")
+        except safetensors.SafetensorError as e:
+            self._fh.close()
+            raise _fail(self.path, f"refused by the safetensors library ({e})") from None
 
     def _validate(self, name: str, e: object, data_start: int, data_len: int) -> TensorInfo:
         if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= e.keys():
@@ -149,21 +160,40 @@ class SafetensorsFile:
         return self._mm
 
     def array(self, name: str) -> np.ndarray:
-        """Read-only numpy view of a tensor in its storage dtype (bf16/fp8 as raw bits)."""
+        """A tensor in its storage dtype (bf16/fp8 as raw bits, read-only)."""
+        return self._read(name, None)
+
+    def part(self, name: str, index: int) -> np.ndarray:
+        """`array(name)[index]` reading only that slice (one expert of a fused tensor)."""
+        return self._read(name, index)
+
+    def _read(self, name: str, index: int | None) -> np.ndarray:
         info = self.tensors.get(name)
         if info is None:
             raise _fail(self.path, f"has no tensor {name!r}", "check the checkpoint index")
-        dt = STORAGE_DTYPES[info.dtype]
-        if info.nbytes == 0:
-            return np.zeros(info.shape, dtype=dt)
-        buf = np.frombuffer(self._map(), dtype=np.uint8, count=info.nbytes, offset=info.offset)
-        return buf.view(dt).reshape(info.shape)
+        if index is not None and not (info.shape and 0 <= index < info.shape[0]):
+            raise IndexError(
+                f"{self.path}: tensor {name!r} {list(info.shape)} has no index {index}"
+            )
+        if info.dtype in RAW_BITS:
+            dt = STORAGE_DTYPES[info.dtype]
+            if info.nbytes == 0:
+                return np.zeros(info.shape, dtype=dt)
+            buf = np.frombuffer(self._map(), dtype=np.uint8, count=info.nbytes, offset=info.offset)
+            a = buf.view(dt).reshape(info.shape)
+            return a if index is None else a[index]
+        try:
+            if index is None:
+                return self._st.get_tensor(name)
+            return self._st.get_slice(name)[index]
+        except safetensors.SafetensorError as e:
+            raise _fail(self.path, f"tensor {name!r}: {e}") from None
 
     def raw_bytes(self, name: str) -> memoryview:
-        info = self.tensors[name]
-        return memoryview(self._map())[info.offset : info.offset + info.nbytes]
+        return memoryview(np.ascontiguousarray(self.array(name)).reshape(-1).view(np.uint8))
 
     def close(self) -> None:
+        self._st.__exit__(None, None, None)
         self._mm = None  # views may still hold the map; it closes when they are gone
         self._fh.close()
 
@@ -240,9 +270,15 @@ class ShardedSafetensors:
         return self.files[self.where[name]].tensors[name]
 
     def array(self, name: str) -> np.ndarray:
+        return self._file(name).array(name)
+
+    def part(self, name: str, index: int) -> np.ndarray:
+        return self._file(name).part(name, index)
+
+    def _file(self, name: str) -> SafetensorsFile:
         if name not in self.where:
             raise CheckpointError(f"{self.dir}: no tensor {name!r} in any shard")
-        return self.files[self.where[name]].array(name)
+        return self.files[self.where[name]]
 
     def shard_names(self) -> list[str]:
         return list(self.files)
@@ -302,7 +338,10 @@ def write_safetensors(
 ) -> int:
     """Stream `data` (one buffer per tensor, in order) into `path` atomically; returns bytes written.
 
-    The file appears under its final name only after every byte is written and fsynced.
+    The file appears under its final name only after every byte is written and fsynced and the
+    library has opened it. Not the library's writer: it takes every tensor of a file in memory at
+    once (safetensors#291) and numpy arrays cannot carry bf16/fp8, while `convert` streams a
+    shard one projection at a time.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
@@ -311,7 +350,7 @@ def write_safetensors(
         f.write(header_bytes(tensors, metadata))
         for t, buf in zip(tensors, data, strict=True):
             mv = (
-                memoryview(np.ascontiguousarray(buf)).cast("B")
+                memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))  # 0-size too
                 if isinstance(buf, np.ndarray)
                 else memoryview(buf).cast("B")
             )
@@ -323,6 +362,14 @@ def write_safetensors(
             written += mv.nbytes
         f.flush()
         os.fsync(f.fileno())
+    try:
+        with safetensors.safe_open(str(tmp), framework="numpy"):
+            pass
+    except safetensors.SafetensorError as e:
+        tmp.unlink()
+        raise ValueError(
+            f"{path}: the safetensors library refuses what was written ({e})"
+        ) from None
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return written
