@@ -47,5 +47,5 @@ def write_run(root: Path, recipe: dict, provenance: dict, result: dict) -> Path:
 
 def runs(root: Path, name: str) -> list[Path]:
     """The committed runs of recipe `name`, oldest first (by date, then file name)."""
-    files = [p for p in (Path(root) / name).glob("*.json")]
+    files = (Path(root) / name).glob("*.json")
     return sorted(files, key=lambda p: (json.loads(p.read_text())["provenance"]["date"], p.name))

@@ -190,7 +190,10 @@ class SafetensorsFile:
             raise _fail(self.path, f"tensor {name!r}: {e}") from None
 
     def raw_bytes(self, name: str) -> memoryview:
-        return memoryview(np.ascontiguousarray(self.array(name)).reshape(-1).view(np.uint8))
+        """A tensor's bytes as stored, for a verbatim copy: a view of the map (the library has
+        checked the file at open), not a decoded copy."""
+        info = self.tensors[name]
+        return memoryview(self._map())[info.offset : info.offset + info.nbytes]
 
     def close(self) -> None:
         self._st.__exit__(None, None, None)
