@@ -168,6 +168,13 @@ def install(session: nox.Session) -> None:
             "moet_kernels.__version__, moet_vllm.__version__)"
         )
         session.run(py, "-c", code, external=True, env={"PYTHONNOUSERSITE": "1"})
+        # the meta-package's wheel ships the trained fixture model (moet.models, package data)
+        code = (
+            "import moet, moet.models as m; p = m.fixture(); "
+            "assert 'site-packages' in str(p), p; "
+            "print('fixture', moet.__version__, p, *sorted(f.name for f in p.iterdir()))"
+        )
+        session.run(py, "-c", code, external=True, env={"PYTHONNOUSERSITE": "1"})
         # the kernels wheel ships one cubin per committed SASS listing (nvcc at wheel build)
         expected = _expected_cubins()
         if not expected:
@@ -218,10 +225,12 @@ os.environ.setdefault("PYTHONDONTWRITEBYTECODE", "1")
 
 @nox.session(python=False)
 def fixture(session: nox.Session) -> None:
-    """The trained fixture model (bench/fixture/, ~20 min on 2 cores): rebuild the corpus and the
-    tokenizer from this machine's files, re-evaluate the committed model (perplexities, unigram
-    baselines, test-split routing trace and coverage), check that vLLM CPU serves it like
-    transformers, rewrite its model card. Training runs on the H200: bench/fixture/h200_train.py.
+    """The trained fixture model's pipeline (bench/fixture/, ~20 min on 2 cores): rebuild the corpus
+    and the tokenizer from this machine's files, re-evaluate the committed model (perplexities,
+    unigram baselines, test-split routing trace and coverage), check that vLLM CPU serves it like
+    transformers, rewrite its model card. The model itself is the meta-package's package data
+    (moet.models.fixture(): packages/moet/src/moet/models/glm-moe-fixture/), where the tokenizer
+    and the card are written. Training runs on the H200: bench/fixture/h200_train.py.
     """
     for script in ("corpus", "tokenizer", "evaluate", "check_vllm", "card"):
         session.run("python", f"bench/fixture/{script}.py")

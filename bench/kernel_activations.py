@@ -3,7 +3,7 @@ sm_90a wgmma plan of docs/kernels-design.md).
 
     python bench/kernel_activations.py [--out DIR] [--tokens N] [--ppl-tokens N]
 
-The fixture (bench/fixture/glm-moe-fixture, run by transformers in float32) with its routed experts
+The fixture (moet.models.fixture(), run by transformers in float32) with its routed experts
 replaced by its W2 checkpoint (the one `bash ci/main.sh` writes), computed three ways by the
 moet-kernels references: exact (unquantized activations), int8 activations with a scale per token
 and 128-chunk (today's kernels: `kernel` mode), and e4m3 activations with one scale per token
@@ -32,7 +32,9 @@ import torch  # noqa: E402
 from provenance import provenance  # noqa: E402  (bench/, the script's folder)
 from results_io import write_result  # noqa: E402
 
-FIXTURE = ROOT / "bench" / "fixture" / "glm-moe-fixture"
+import moet.models  # noqa: E402
+
+FIXTURE = moet.models.fixture()
 TEST = ROOT / "bench" / "out" / "fixture" / "corpus" / "test.npy"
 MODES = ("exact", "int8_per_128", "e4m3_per_token")
 E4M3_MAX = 448.0

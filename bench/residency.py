@@ -43,6 +43,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 from results_io import write_result  # noqa: E402
 
+import moet.models  # noqa: E402
 from moet_vllm import __version__  # noqa: E402
 from moet_vllm.planning import simulate as sim  # noqa: E402
 from moet_vllm.planning import traces  # noqa: E402
@@ -53,7 +54,7 @@ DOC = ROOT / "docs" / "residency.md"
 SVG = ROOT / "docs" / "residency-replay.svg"
 FIXTURE_TRACE = ROOT / "bench" / "out" / "fixture" / "traces" / "test.npy"
 FIXTURE_TOKENS_FILE = ROOT / "bench" / "out" / "fixture" / "corpus" / "test.npy"
-FIXTURE_MODEL = ROOT / "bench" / "fixture" / "glm-moe-fixture" / "config.json"
+FIXTURE_MODEL = moet.models.fixture() / "config.json"
 FIXTURE_TOKENS = 16384
 FIXTURE = "fixture"
 TARGET = 1.5

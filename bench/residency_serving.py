@@ -2,7 +2,7 @@
 against every expert resident, in the same run, on the trained fixture model (real routing); at
 50% and 25% also without the predicted fetch (`MOET_PREDICT=0`, experts fetched on demand only).
 
-Run through nox: `nox -s bench -- residency-serving`. The fixture (bench/fixture/glm-moe-fixture:
+Run through nox: `nox -s bench -- residency-serving`. The fixture (moet.models.fixture():
 3 MoE layers x 64 experts, top-4) is converted by `moet convert` (once, cached under
 $XDG_CACHE_HOME/moet/bench) and served by vLLM (CPU, float32) one sequence at a time
 (max_num_seqs 1: the boot floor is 1.15 x 3 x 4 = 14 slots, below every pool here: 25% is 48),
@@ -127,7 +127,7 @@ def main() -> int:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
         "command": "nox -s bench -- residency-serving",
-        "model": f"bench/fixture/{FIXTURE.name} (moet convert)",
+        "model": f"{FIXTURE.name} (moet.models.fixture(), moet convert)",
         "prompts": len(FIXTURE_TEXTS),
         "protocol": "max_num_seqs 1; each tiered pool boots twice on one pack cache, the second "
         "boot (warm start from the first's saved hot set) is measured",

@@ -11,7 +11,8 @@ Every ``packages/<dir>/`` must have ``recipe/recipe.yaml`` in rattler-build's v1
   (``numpy >=1.26`` == ``numpy>=1.26``); a ``python`` entry must match ``requires-python``;
 * no optional-dependency extra (``[gpu]``, ``[test]``, ...) is a run requirement, unless it is
   also a base dependency (``run_constraints`` may name them);
-* the ``tests`` import the package's import name (the meta-package: every component's);
+* the ``tests`` import the package's import name (the meta-package: its own and every
+  component's);
 * pure-Python packages are ``noarch: python`` and native ones are not (a scikit-build-core
   package with ``wheel.platlib = false`` builds a py3-none-any wheel: not native); every
   console script of the pyproject is in ``build.python.entry_points``;
@@ -260,8 +261,8 @@ def check(folder: Path, root: Path) -> tuple[list[str], list[str]]:
         if isinstance(test, dict) and isinstance(test.get("python"), dict):
             for mod in test["python"].get("imports") or []:
                 imports.add(str(mod))
-    if name == META:
-        needed = {
+    if name == META:  # its own module (moet.models: the fixture model) and every component's
+        needed = {META} | {
             canonicalize_name(Requirement(r).name).replace("-", "_")
             for r in project.get("dependencies", [])
             if canonicalize_name(Requirement(r).name).startswith("moet-")

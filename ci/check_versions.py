@@ -162,8 +162,6 @@ def literal_version(init: Path) -> str | None:
 def check_module_version(pkg: Package) -> tuple[list[str], str]:
     """Returns (errors, status for the table): the module reads its version from the installed
     distribution's metadata; a literal would be a second place to keep it."""
-    if pkg.name == META:
-        return [], "(no module)"
     init = pkg.folder / "src" / pkg.import_name / "__init__.py"
     rel = pkg.rel(init)
     if not init.is_file():

@@ -20,7 +20,7 @@ site=$(mktemp -d -t moet-site-XXXXXX) work=$(mktemp -d -t moet-gpu-XXXXXX)
 trap 'rm -rf "$site" "$work"' EXIT
 t0=$(date +%s)
 install() { python3 -m pip install -q --no-build-isolation --no-deps --no-compile --target "$site" "$@"; }
-{ install ./packages/moet-quant ./packages/moet-store ./packages/moet-vllm &&
+{ install ./packages/moet-quant ./packages/moet-store ./packages/moet-vllm ./packages/moet &&
   install --config-settings=cmake.define.MOET_KERNELS_ARCHS=90a \
     --config-settings=build-dir="$site/build" ./packages/moet-kernels; } \
   >"$out/install.log" 2>&1 || { tail -20 "$out/install.log"; echo "ci/gpu: install failed" >&2; exit 1; }

@@ -1,9 +1,10 @@
 """The main job (README): a MoE served by vLLM with moet's 2-bit experts, asked through the
 OpenAI API.
 
-1. the default model: the project's trained fixture, a small GLM-4.5-family MoE (bench/fixture/
-   glm-moe-fixture: 3 MoE layers x 64 experts, top-4, shared expert, sigmoid routing; trained on
-   Python sources and man pages, with GLM's chat format);
+1. the default model: the project's trained fixture, a small GLM-4.5-family MoE
+   (moet.models.fixture(), the meta-package's package data, trained by bench/fixture/: 3 MoE
+   layers x 64 experts, top-4, shared expert, sigmoid routing; trained on Python sources and man
+   pages, with GLM's chat format);
 2. `moet inspect` reports it; `moet convert` writes the moet checkpoint (2-bit experts; resumable,
    a finished conversion is kept);
 3. starts vLLM's OpenAI server on it with `moet serve` (no moet flag: the checkpoint says
@@ -27,9 +28,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+import moet.models
+
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moet" / "main-job"
-MODEL = ROOT / "bench" / "fixture" / "glm-moe-fixture"
+MODEL = moet.models.fixture()  # the embedded default model, as installed
 OUT = CACHE / "glm-moe-fixture-moet"
 NAME = "moet-glm-moe-fixture"
 POOL = "50%"  # tiered residency: the device pool holds half of the (MoE layer, expert) pairs

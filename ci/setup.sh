@@ -28,7 +28,8 @@ pip install -q -r ci/requirements-vllm.txt
 # break vLLM and transformers imports (environment.md): remove them.
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # every package editable; moet-store is native (C++/pybind11, scikit-build-core), built in place
-# (re-run this script after changing its C++ sources)
+# (re-run this script after changing its C++ sources); the meta-package too: its module
+# moet.models ships the trained fixture model (the main job's default, the tests' checkpoint)
 pip install -q --no-build-isolation -e packages/moet-quant -e packages/moet-store \
-  -e packages/moet-kernels -e packages/moet-vllm
+  -e packages/moet-kernels -e packages/moet-vllm -e packages/moet
 echo "ci/setup: ready ($(python --version), $(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,6 +1,7 @@
-"""The trained fixture (bench/fixture/glm-moe-fixture) and its build scripts' deterministic parts:
-the committed checkpoint is what moet and transformers expect and has learned something; the
-corpus split, the training data order, the Hub export and the trace/coverage helpers behave."""
+"""The trained fixture (moet.models.fixture(), shipped by the meta-package) and the deterministic
+parts of its build scripts (bench/fixture/): the committed checkpoint is what moet and
+transformers expect and has learned something; the corpus split, the training data order, the Hub
+export and the trace/coverage helpers behave."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import moet.models
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[3]
-FIXTURE = ROOT / "bench" / "fixture"
-MODEL = FIXTURE / "glm-moe-fixture"
+FIXTURE = ROOT / "bench" / "fixture"  # the fixture's pipeline
+MODEL = moet.models.fixture()  # the model: the meta-package's package data
 sys.path.insert(0, str(FIXTURE))
 sys.path.insert(0, str(ROOT / "bench"))  # provenance.py
 sys.path.insert(0, str(ROOT / "packages" / "moet-vllm" / "tests"))

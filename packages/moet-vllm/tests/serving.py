@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+import moet.models
 from moet_kernels.reference import tier_dequant
 from moet_quant.checkpoint import dense_projections
 from moet_vllm.config import resolve
@@ -24,10 +25,11 @@ from moet_vllm.experts import ExpertSource
 HERE = Path(__file__).parent
 NAME = "moet-tiny"  # the served model name of `Server`
 
-# The project's trained fixture (bench/fixture/glm-moe-fixture: GLM-4.5 family, 3 MoE layers x 64
-# experts, top-4, trained on Python sources and man pages; its model card says more): the default
-# model of the tests where a trained model matters (real routing, a real tokenizer and template).
-FIXTURE = HERE.parents[2] / "bench" / "fixture" / "glm-moe-fixture"
+# The project's trained fixture (moet.models.fixture(), the meta-package's package data: GLM-4.5
+# family, 3 MoE layers x 64 experts, top-4, trained on Python sources and man pages; its model card
+# says more): the default model of the tests where a trained model matters (real routing, a real
+# tokenizer and template).
+FIXTURE = moet.models.fixture()
 # Prompts for the fixture, in the kinds of text it was trained on (written for the tests).
 FIXTURE_TEXTS = (
     "import os\nimport sys\n\n\ndef main(",

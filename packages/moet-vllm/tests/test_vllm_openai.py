@@ -2,7 +2,7 @@
 GLM reasoning parser, asked with the official `openai` client.
 
 One server per module (~35 s to boot on 2 CPU cores): the project's trained fixture
-(serving.FIXTURE, bench/fixture/glm-moe-fixture: GLM-4.5 family, its own 4096-id tokenizer with
+(serving.FIXTURE, moet.models.fixture(): GLM-4.5 family, its own 4096-id tokenizer with
 GLM-4.5's special tokens and chat template) converted to a moet checkpoint, served in float32 with
 `--enable-auto-tool-choice --tool-call-parser glm45 --reasoning-parser glm45` (docs/vllm.md).
 

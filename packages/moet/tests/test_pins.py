@@ -63,9 +63,14 @@ def test_pin_admits_exactly_the_component_version(name: str) -> None:
             assert not spec.contains(f"{major}.{minor}.{patch - 1}")
 
 
-def test_meta_has_no_module() -> None:
+def test_meta_ships_one_module_moet() -> None:
+    """The meta-package's own code is `moet` alone (moet.models: the fixture model, package data);
+    it never ships a component's module."""
     data = tomllib.loads(META.read_text(encoding="utf-8"))
-    assert data["tool"]["setuptools"]["packages"] == []
+    assert data["tool"]["setuptools"]["packages"]["find"]["where"] == ["src"]
+    src = META.parent / "src"
+    tops = sorted(p.name for p in src.iterdir() if p.is_dir() and not p.name.endswith(".egg-info"))
+    assert tops == ["moet"]
 
 
 @pytest.mark.parametrize("name", sorted(components()))
