@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from moet_kernels.reference import w2_dequant, w2_moe_reference
+from moet_kernels.reference import dense_moe_reference, w2_dequant, w2_moe_reference
 
 # design.md, Formats (W2): code c -> level; w = level(c) * 2**(b - 127).
 SPEC_LEVELS = {0: -4.0, 1: -1.0, 2: 1.0, 3: 4.0}
@@ -120,6 +120,30 @@ def test_moe_reference_matches_float64_loop() -> None:
     want = spec_moe(x.astype(np.float64), ids, weights.astype(np.float64), w13, w2)
     scale = np.abs(want).max()
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("mode", ["exact", "kernel"])
+def test_dense_moe_reference_is_the_w2_reference_over_the_dequantized_weights(mode) -> None:
+    """The harness's kernel mode (gate_eval) computes over a model's dequantized experts: bit for
+    bit what the reference computes from the codes and scales, in either mode."""
+    rng = np.random.default_rng(11)
+    t_count, h, inter, n_exp, top_k = 6, 256, 128, 5, 3
+    x = torch.from_numpy(rng.standard_normal((t_count, h)).astype(np.float32))
+    ids = torch.from_numpy(
+        np.stack([rng.permutation(n_exp)[:top_k] for _ in range(t_count)]).astype(np.int64)
+    )
+    weights = torch.from_numpy(rng.random((t_count, top_k)).astype(np.float32))
+
+    def proj(n, k):
+        return (torch.from_numpy(rng.integers(0, 256, (n_exp, n, k // 4), dtype=np.uint8)),
+                torch.from_numpy(rng.integers(120, 125, (n_exp, n, k // 32), dtype=np.uint8)))  # fmt: skip
+
+    w13, w2 = proj(2 * inter, h), proj(h, inter)
+    want = w2_moe_reference(x, ids, weights, w13, w2, mode=mode)
+    got = dense_moe_reference(x, ids, weights, w2_dequant(*w13), w2_dequant(*w2), mode=mode)
+    assert torch.equal(got, want)
+    if mode == "kernel":  # and the modes differ: the int8 activations
+        assert not torch.equal(got, w2_moe_reference(x, ids, weights, w13, w2))
 
 
 def test_moe_reference_modes_and_validation() -> None:

@@ -61,23 +61,58 @@ def test_fp4x_needs_a_checkpoint_with_its_own_fp4_data(tmp_path):
     assert "(experts: bf16); use fp4_tier='fp4r'" in r["log"]
 
 
-def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_path):
-    """Batch 1, a fresh pool of 25%, the gate at margin 1 nat: the greedy tokens vLLM serves
-    equal `gate_eval.simulate_generation`'s (transformers, the same Fp4Tier decisions), and
-    both gated some steps."""
-    from vllm_driver import MAX_TOKENS
+# The gated engine of the serving == harness comparisons: a fresh pool of 25%, the gate at a
+# margin of 1 nat (MOET_GATE_TAU), batch 1.
+GATED = {"pool": "25%", "share": 0.25, "tau": 1.0, "metric": "margin"}
+# Kernel mode's comparison decodes longer: over 6 prompts x 48 tokens exact and kernel
+# arithmetic part (the int8 activations move the fixture's greedy tokens), over the short
+# comparison they do not.
+KERNEL_PROMPTS, KERNEL_TOKENS = 6, 48
 
+
+def harness_and_served(tmp_path, mode: str, n_prompts: int, max_tokens: int, env=(), extra=()):
+    """`gate_eval.simulate_generation` in `mode` and vLLM serving the fixture with the GATED tier
+    and gate (fresh packs) on the same prompts -> (simulation, served run)."""
     from moet_vllm.gate_eval import GateConfig, simulate_generation
 
-    prompts = fixture_prompts(3)
-    sim = simulate_generation(FIXTURE, prompts, MAX_TOKENS, GateConfig(0.25, 1.0, "margin"))
-    env = fp4_env(tmp_path / "packs", "25%", MOET_GATE_TAU="1.0", MOET_KPI_EVERY="1")
-    served = run_vllm(FIXTURE, tmp_path, "gated", quantization="moet", extra=ONE_SEQ,
-                      prompts=prompts, env=env)  # fmt: skip
+    prompts = fixture_prompts(n_prompts)
+    cfg = GateConfig(GATED["share"], GATED["tau"], GATED["metric"])
+    sim = simulate_generation(FIXTURE, prompts, max_tokens, cfg, mode=mode)
+    env = fp4_env(tmp_path / "packs", GATED["pool"], MOET_GATE_TAU=str(GATED["tau"]),
+                  MOET_KPI_EVERY="1", **dict(env))  # fmt: skip
+    served = run_vllm(FIXTURE, tmp_path, f"gated-{mode}", quantization="moet", prompts=prompts,
+                      extra=[*ONE_SEQ, "--max-tokens", str(max_tokens), *extra], env=env)  # fmt: skip
+    return sim, served
+
+
+def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_path):
+    """Batch 1, a fresh pool of 25%, the gate at margin 1 nat: the greedy tokens vLLM serves
+    (the torch reference) equal `gate_eval.simulate_generation`'s (transformers, the same
+    Fp4Tier decisions), and both gated some steps."""
+    from vllm_driver import MAX_TOKENS
+
+    sim, served = harness_and_served(tmp_path, "exact", 3, MAX_TOKENS)
     assert served["tokens"] == sim["tokens"]
     assert 0 < sim["gated"] < sim["steps"]
     gated = re.findall(r"gate replay ([\d.]+)% of decode steps", served["log"])
     assert gated and max(float(g) for g in gated) > 0
+
+
+def test_served_tokens_in_the_kernels_arithmetic_equal_the_harness_in_kernel_mode(tmp_path):
+    """The same with `compute="oracle"` (the kernels' arithmetic in torch: what a GPU serves)
+    against the harness in kernel mode, over prompts where kernel mode's tokens are not exact
+    mode's: the harness simulates the arithmetic serving runs, not only its decisions
+    (test_gpu_fp4_tier.py compares the kernels themselves)."""
+    from moet_vllm.gate_eval import GateConfig, simulate_generation
+
+    sim, served = harness_and_served(tmp_path, "kernel", KERNEL_PROMPTS, KERNEL_TOKENS,
+                                     env={"MOET_COMPUTE": "oracle"})  # fmt: skip
+    assert "moet-kernels' torch reference in kernel mode" in served["log"]
+    assert served["tokens"] == sim["tokens"]
+    assert 0 < sim["gated"] < sim["steps"]
+    cfg = GateConfig(GATED["share"], GATED["tau"], GATED["metric"])
+    exact = simulate_generation(FIXTURE, fixture_prompts(KERNEL_PROMPTS), KERNEL_TOKENS, cfg)
+    assert exact["tokens"] != sim["tokens"]
 
 
 def test_replays_of_mtp_verification_steps_are_kv_safe_and_the_gate_skips_steps_all_at_fp4(

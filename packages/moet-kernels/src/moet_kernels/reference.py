@@ -403,44 +403,68 @@ def _moe(
 ) -> torch.Tensor:
     """The MoE over experts given by `experts(e)` -> w13's then w2's parts of the tier (W2:
     (w13 codes, w13 scales, w2 codes, w2 scales)); `tier` is one tier, or a function of the expert
-    id giving each expert's tier; experts for which `skip(e)` is true contribute zero. Each
-    expert's routed tokens go through one matmul in token order, and the top-k sum is in slot
-    order, so the result for a token does not depend on which other experts were skipped: a
-    replay after a fetch is bit-identical to a forward that never missed."""
+    id giving each expert's tier; experts for which `skip(e)` is true contribute zero."""
     one = None if callable(tier) else tier_of(tier)
+    as_weights = _tier_kernel_weights if mode == "kernel" else _tier_exact_weights
 
-    def tier_at(e):
-        return one if one is not None else tier_of(tier(e))
+    def weights(e):
+        tier_e = one if one is not None else tier_of(tier(e))
+        parts = tuple(experts(e))
+        n13 = len(tier_e.weight_parts)
+        return as_weights(tier_e, parts[:n13]), as_weights(tier_e, parts[n13:])
 
+    return _moe_over(x, topk_ids, topk_weights, inter, weights, skip, mode)
+
+
+def _moe_over(x, topk_ids, topk_weights, inter, weights, skip, mode) -> torch.Tensor:
+    """The MoE over `weights(e)` -> (w13 [2I, H], w2 [H, I]) of the mode's precision (kernel:
+    float64, exact: float32). Each expert's routed tokens go through one matmul in token order,
+    and the top-k sum is in slot order, so the result for a token does not depend on which other
+    experts were skipped: a replay after a fetch is bit-identical to a forward that never
+    missed."""
     t, h = x.shape
     xf = x.to(torch.float32)
     if mode == "kernel":
-        xk = _dequant_activations(*quantize_activations(xf))
+        xf = _dequant_activations(*quantize_activations(xf))
     ids = topk_ids.long()
     slot_out = torch.zeros(t, ids.shape[1], h, dtype=torch.float32, device=x.device)
     for expert in torch.unique(ids).tolist():  # dequantize each routed expert once
         if skip is not None and skip(expert):
             continue
         tok, slot = torch.nonzero(ids == expert, as_tuple=True)
-        tier_e = tier_at(expert)
-        parts = tuple(experts(expert))
-        p13, p2 = parts[: len(tier_e.weight_parts)], parts[len(tier_e.weight_parts) :]
-        if mode == "kernel":
-            gate_up = (xk[tok] @ _tier_kernel_weights(tier_e, p13).T).to(torch.float32)
-            act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            ak = _dequant_activations(*quantize_activations(act))
-            slot_out[tok, slot] = (ak @ _tier_kernel_weights(tier_e, p2).T).to(torch.float32)
-            continue
-        w13_e = _tier_exact_weights(tier_e, p13)  # [2I, H]
-        w2_e = _tier_exact_weights(tier_e, p2)  # [H, I]
-        gate_up = xf[tok] @ w13_e.T  # [n, 2I]
+        w13_e, w2_e = weights(expert)
+        gate_up = (xf[tok] @ w13_e.T).to(torch.float32)  # [n, 2I]
         act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        slot_out[tok, slot] = act @ w2_e.T
-    weights = topk_weights.to(torch.float32)
+        if mode == "kernel":
+            act = _dequant_activations(*quantize_activations(act))
+        slot_out[tok, slot] = (act @ w2_e.T).to(torch.float32)
+    weights_f = topk_weights.to(torch.float32)
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
     for j in range(ids.shape[1]):  # fixed-order top-k sum
-        out += weights[:, j : j + 1] * slot_out[:, j]
+        out += weights_f[:, j : j + 1] * slot_out[:, j]
     return out
+
+
+def dense_moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    mode: str = "exact",
+) -> torch.Tensor:
+    """`w2_moe_reference` over weights already dequantized: w13 [E, 2I, H] (gate rows, then up),
+    w2 [E, H, I], any float dtype holding a tier's exact values (a transformers model's fused
+    experts after moet_quant.quality.quantized_copy) -> float32 [T, H], in `mode`'s arithmetic
+    (kernel: the kernels' int8 activations, float64 GEMMs over the weights as given)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    dtype = torch.float64 if mode == "kernel" else torch.float32
+
+    def weights(e):
+        return w13[e].to(dtype), w2[e].to(dtype)
+
+    return _moe_over(x, topk_ids, topk_weights, w13.shape[1] // 2, weights, None, mode)
 
 
 def w2_moe_slots_reference(

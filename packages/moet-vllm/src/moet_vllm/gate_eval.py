@@ -30,6 +30,7 @@ cache, pairs the replay routes anew outside the pool).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -91,12 +92,20 @@ class SimOptions:
 
 class _Experts:
     """The routed experts of one model copy, with the W2 and fp4r values of every pair and the
-    routing of the last pass (a pre-hook on each fused expert module)."""
+    routing of the last pass (a pre-hook on each fused expert module). `mode` is the experts'
+    arithmetic (moet_kernels.reference.MODES): `exact` (transformers' own forward over the
+    values) or `kernel` (the GPU kernels' int8 activations, float64 GEMMs: what serving computes
+    on a GPU)."""
 
-    def __init__(self, model, w2_model, fp4_model):
+    def __init__(self, model, w2_model, fp4_model, mode: str = "exact"):
         from moet_quant.quality import expert_modules
 
         self.mods = [m for _, m in expert_modules(model)]
+        if mode == "kernel":
+            for m in self.mods:
+                m.forward = functools.partial(_kernel_experts, m)
+        elif mode != "exact":
+            raise ValueError(f"mode must be 'exact' or 'kernel', got {mode!r}")
         self.w2 = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
                    for _, m in expert_modules(w2_model)]  # fmt: skip
         self.fp4 = [(m.gate_up_proj.detach().clone(), m.down_proj.detach().clone())
@@ -135,6 +144,15 @@ class _Experts:
     def keys(self) -> np.ndarray:
         """Flat keys (layer-major) of the last pass's routing."""
         return np.concatenate([ids + o * self.n_experts for o, ids in enumerate(self.routed)])
+
+
+def _kernel_experts(module, hidden, top_k_index, top_k_weights):
+    """A fused expert module's forward in the kernels' arithmetic, over its current values."""
+    from moet_kernels.reference import dense_moe_reference
+
+    out = dense_moe_reference(hidden, top_k_index, top_k_weights, module.gate_up_proj,
+                              module.down_proj, mode="kernel")  # fmt: skip
+    return out.to(hidden.dtype)
 
 
 def _teacher_forced(model, tokens: np.ndarray, wins) -> tuple[np.ndarray, np.ndarray]:
@@ -244,11 +262,15 @@ def _simulate(model, experts: _Experts, tokens, wins, cfg: GateConfig, progress,
     }
 
 
-def simulate_generation(model_dir, prompts, max_tokens: int, cfg: GateConfig) -> dict:
+def simulate_generation(
+    model_dir, prompts, max_tokens: int, cfg: GateConfig, mode: str = "exact"
+) -> dict:
     """Greedy generation at batch 1 as serving decides it: each prompt (token ids, one request
     after another, the pool kept) prefilled in one pass, then `max_tokens - 1` decode steps
     (the first token comes from the prefill's logits) -> {"tokens": [[...] per prompt],
-    "gated": steps gated, "steps": decode steps}. What serving must reproduce."""
+    "gated": steps gated, "steps": decode steps}. What serving must reproduce: `mode` `exact`
+    what it serves with the torch reference (vLLM on CPU), `kernel` what it serves with
+    moet-kernels (a GPU; also `compute="oracle"`)."""
     if cfg.metric == ORACLE:
         raise ValueError("the oracle gate is the teacher-forced simulation's alone")
     import torch
@@ -259,7 +281,7 @@ def simulate_generation(model_dir, prompts, max_tokens: int, cfg: GateConfig) ->
     ref = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     w2_model, _ = quantized_copy(ref, "w2-reference")
     fp4_model, _ = quantized_copy(ref, "fp4r")
-    sim = _Decisions(w2_model, _Experts(w2_model, w2_model, fp4_model), cfg)
+    sim = _Decisions(w2_model, _Experts(w2_model, w2_model, fp4_model, mode), cfg)
     out, gated, steps = [], 0, 0
     with torch.no_grad():
         for p in prompts:
