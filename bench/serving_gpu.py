@@ -75,9 +75,11 @@ runs GLM-5.2's synthetic-trace profile on the shape (serving_gpu_engine.py).
 The FP4 tier (`--fp4 POOL[/gate=TAU|off]`, moet only): the source's synthetic fp4r rows in an FP4
 pool of POOL beside the W2 one, the gate at a margin of TAU nats; synthetic weights have no
 meaningful confidence, so the gate's cost is bracketed: TAU 0 checks every decode step and never
-replays, 1e9 replays every decode step (a rate r in between costs about
-1 / ((1 - r) / tok_s(0) + r / tok_s(1e9))); `gate=off` is heat alone (no sync a step). Each variant is set
-against moet's all-resident run without the tier, with the gate replay % of its decode steps.
+replays, 1e9 replays every decode step, and `summarize` weighs the two of one run with the
+replay rate r the trained fixture's gate makes at serving's defaults (bench/fixture/results/
+fp4_gate-*.json): 1 / ((1 - r) / tok_s(0) + r / tok_s(1e9)), `gate_at_rate`; `gate=off` is heat
+alone (no sync a step). Each variant is set against moet's all-resident run without the tier,
+with the gate replay % of its decode steps.
 """
 
 from __future__ import annotations
@@ -869,7 +871,8 @@ def summarize(args) -> Path:
         md.append(f"\nD equal within 5% across engines: {'yes' if not bad else f'NO at {bad}'}; "
                   f"moet slow-tile fraction: {slow.get('moet')}")  # fmt: skip
     tiered = tiered_table(runs, h2d, md)
-    body = {"bench": "serving_gpu", "tables": tables, "tiered": tiered}
+    gate = gate_at_fixture_rates(tiered, md)
+    body = {"bench": "serving_gpu", "tables": tables, "tiered": tiered, "gate_at_rate": gate}
     (d / "summary.json").write_text(json.dumps(body, indent=1) + "\n")
     (d / "summary.md").write_text("\n".join(md).lstrip() + "\n")
     print("\n".join(md))
@@ -939,6 +942,50 @@ def tiered_table(runs: list, h2d: float | None, md: list) -> list:
         md.append(f"\ndesign.md's >= {TIERED_TARGET[0]}x all-resident where <= "
                   f"{TIERED_TARGET[1]:.0f}% of steps replay (or read in place): met in {met} of {len(judged)} "
                   "rows it applies to (with an all-resident run to compare)")  # fmt: skip
+    return rows
+
+
+# The gate's replay rate on the trained fixture at serving's defaults (fp4_pool 25%, gate_tau 1,
+# margin; docs/quality.md), per text: the rate a gated step's cost is weighed with here, since
+# synthetic weights have no meaningful confidence.
+FIXTURE_GATE_RUNS = sorted((HERE / "fixture" / "results").glob("fp4_gate-*.json"))
+FIXTURE_GATE_CONFIG = "pool 25% tau 1 (margin)"
+
+
+def gate_at_fixture_rates(tiered: list, md: list) -> list:
+    """Decode tok/s with the gate replaying the fixture's share r of the steps, from the same
+    run's bracket: per (shape, routing, pool, batch) with the gate checked but never replaying
+    (POOL, tau 0: t0) and replaying every step (POOL/gate=1e9: t1), 1 / ((1 - r) / t0 + r / t1),
+    against the tier off; appended to `md`."""
+    rates = {}
+    for f in FIXTURE_GATE_RUNS:
+        config = json.loads(f.read_text())["configs"].get(FIXTURE_GATE_CONFIG)
+        if config:
+            rates[f.stem.removeprefix("fp4_gate-")] = config["gated_pct"]
+    by = {(r["shape"], r["routing"], r["gpu_pool"], r["batch"]): r for r in tiered}
+    rows = []
+    for (shape, routing, label, batch), t1 in sorted(by.items()):
+        if not label.endswith("/gate=1e9"):
+            continue
+        t0 = by.get((shape, routing, label.removesuffix("/gate=1e9"), batch))
+        if t0 is None or not t1["vs_all_resident"]:
+            continue
+        off = t1["tok_s"] / t1["vs_all_resident"]
+        for text, pct in sorted(rates.items()):
+            r = pct / 100
+            tok_s = 1 / ((1 - r) / t0["tok_s"] + r / t1["tok_s"])
+            rows.append({"shape": shape, "routing": routing, "gpu_pool": t0["gpu_pool"],
+                         "batch": batch, "text": text, "gate_pct": pct, "tok_s": tok_s,
+                         "vs_all_resident": tok_s / off})  # fmt: skip
+    if rows:
+        md.append("\n### the gate at the fixture's replay rate (serving's defaults), from the "
+                  "same run's tau 0 and 1e9\n")  # fmt: skip
+        md.append("| shape | pool | batch | fixture text | gate replay % of steps | tok/s | "
+                  "vs the tier off |")  # fmt: skip
+        md.append("|---" * 7 + "|")
+        for r in rows:
+            md.append(f"| {r['shape']} | {r['gpu_pool']} | {r['batch']} | {r['text']} | "
+                      f"{r['gate_pct']:.1f} | {r['tok_s']:.1f} | {r['vs_all_resident']:.2f}x |")  # fmt: skip
     return rows
 
 
