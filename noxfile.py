@@ -215,8 +215,9 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=False)
 def report(session: nox.Session) -> None:
-    """Render every benchmark table in README.md and docs/ from the committed runs
-    (bench/report.py); `-- --check` (in `ci`) fails when one differs from what they render."""
+    """Render every benchmark table in README.md, docs/ and packages/*/README.md from the
+    committed runs (bench/report.py); `-- --check` (in `ci`) fails when one differs from what
+    they render."""
     session.run("python", "bench/report.py", *session.posargs)
 
 

@@ -1,12 +1,14 @@
-"""The report step: every benchmark figure in README.md and docs/ rendered from the committed runs.
+"""The report step: every benchmark figure in README.md, docs/ and the packages' READMEs rendered
+from the committed runs.
 
     nox -s report              # rewrite the tables between their markers
     nox -s report -- --check   # CI: fail when a table differs from what the runs render
 
-A recipe's `[[figure]]` entries name a table (`readme`: the README's). A table lives in README.md
-or a page of docs/ between `<!-- bench:NAME begin -->` and `<!-- bench:NAME end -->`, and its rows
-come from the newest run of each figure's recipe (bench/results/<recipe>/): the value, the
-baseline of the same run, their ratio, the target and the run file. Markers of other names (a
+A recipe's `[[figure]]` entries name a table (`readme`: the README's). A table lives in README.md,
+a page of docs/ or a package's README (packages/*/README.md) between `<!-- bench:NAME begin -->`
+and `<!-- bench:NAME end -->`, and its rows come from the newest run of each figure's recipe
+(bench/results/<recipe>/): the value, the baseline of the same run, their ratio, the target and
+the run file. Markers of other names (a
 bench script's own table, e.g. bench/residency.py's) are left alone.
 """
 
@@ -33,11 +35,12 @@ HEAD = (
 
 
 def resolve(data, path: str):
-    """The value at `path` in a run's result: keys joined by '.', a list element picked by
-    `[key=value&key=value]` (the one element whose fields print so) or `[N]`."""
+    """The value at `path` in a run's result: keys joined by '.' (a key holding a dot in single
+    quotes: `summary.'glm-5.2'.sized`), a list element picked by `[key=value&key=value]` (the one
+    element whose fields print so) or `[N]`."""
     here = data
-    for m in re.finditer(r"([^.\[\]]+)(?:\[([^\]]*)\])?", path):
-        key, pick = m.group(1), m.group(2)
+    for m in re.finditer(r"(?:'([^']*)'|([^.\[\]']+))(?:\[([^\]]*)\])?", path):
+        key, pick = m.group(1) if m.group(1) is not None else m.group(2), m.group(3)
         if not isinstance(here, dict) or key not in here:
             have = sorted(here) if isinstance(here, dict) else type(here).__name__
             raise RecipeError(f"{path}: no {key!r} (found {have})")
@@ -130,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     docs = (
         args.docs
         if args.docs is not None
-        else [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        else [
+            ROOT / "README.md",
+            *sorted((ROOT / "docs").glob("*.md")),
+            *sorted((ROOT / "packages").glob("*/README.md")),
+        ]
     )
     try:
         tables = figures(args.results)
@@ -146,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         missing = sorted(set(tables) - found)
         if missing:
             raise RecipeError(f"tables {missing} of the recipes' figures have no markers "
-                              "(<!-- bench:NAME begin --> ... end -->) in README.md or docs/")  # fmt: skip
+                              "(<!-- bench:NAME begin --> ... end -->) in README.md, docs/ or "
+                              "packages/*/README.md")  # fmt: skip
     except RecipeError as e:
         print(f"bench/report: error: {e}", file=sys.stderr)
         return 2

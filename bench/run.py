@@ -5,6 +5,7 @@ file per run (bench/results_io.write_run) with one provenance schema.
     python3 bench/run.py RECIPE [...]       # the GPU machine (no nox there; results under $OUT)
     python3 bench/run.py --list             # every recipe, its machine and its latest run
     python3 bench/run.py adopt RECIPE FILE  # a result written before the runner, as a run of RECIPE
+    python3 bench/run.py adopt RECIPE NAME=FILE ...  # the same for a recipe whose result is a table
 
 A recipe is bench/recipes/<name>.toml (or a path to one); docs/development.md, "Benchmarks", says
 what its keys mean. The command runs from the repository root with BENCH_OUT and OUT set to a
@@ -135,37 +136,67 @@ def run(recipe: dict, results: Path) -> Path:
     return path
 
 
-def adopt(recipe: dict, file: Path, results: Path) -> Path:
+def adopt(recipe: dict, file: Path | dict[str, Path], results: Path) -> Path:
     """A result written before the runner existed, as a run of `recipe`: its provenance is the
     file's own (`provenance` or `environment`) or that of a JSON beside it (a run's engines);
-    what none records stays "not recorded"."""
-    result = json.loads(file.read_text())
+    what none records stays "not recorded". A recipe whose `result` is a table takes a file per
+    part, {name: file}; a part the older result lacks stays out (its figures then show "not in
+    this run"), and parts whose own provenance names different commits are refused: not one run."""
+    table = recipe["result"] if isinstance(recipe["result"], dict) else None
+    if (table is None) != (not isinstance(file, dict)):
+        want = f"NAME=FILE for its parts ({', '.join(table)})" if table else "one FILE"
+        raise RecipeError(f"recipe {recipe['name']}: adopt takes {want}")
+    parts = file if isinstance(file, dict) else {None: file}
+    if table is not None and (not parts or set(parts) - set(table)):
+        raise RecipeError(f"recipe {recipe['name']}: its result's parts are {sorted(table)}, "
+                          f"found {sorted(parts)}")  # fmt: skip
+    bodies = {name: json.loads(f.read_text()) for name, f in parts.items()}
+    result = bodies[None] if table is None else bodies
+    files = list(parts.values())
+    own = {_commit(_own_provenance(b)) for b in bodies.values()} - {None}
+    if len(own) > 1:
+        raise RecipeError(f"recipe {recipe['name']}: the parts name commits {sorted(own)}: "
+                          "not one run")  # fmt: skip
     prov = source = None
-    for cand in [file, *sorted(file.parent.glob("*.json"))]:
-        body = result if cand == file else json.loads(cand.read_text())
-        if not isinstance(body, dict):
-            continue
-        # the shapes results had: a provenance dict, an environment dict, a machine dict, or
-        # commit and date at the top level
-        for prov in (body.get("provenance"), body.get("environment"), body.get("machine"), body):
-            if isinstance(prov, dict) and isinstance(prov.get("commit"), str):
-                source = cand
-                break
-        if source is not None:
+    given = [(f, bodies[n]) for n, f in parts.items()]
+    beside = ((c, None) for f in files for c in sorted(f.parent.glob("*.json")))
+    for cand, body in [*given, *beside]:
+        prov = _own_provenance(json.loads(cand.read_text()) if body is None else body)
+        if prov is not None:
+            source = cand
             break
     if source is None:
-        raise RecipeError(f"{file}: no provenance in it or beside it (a commit to name the run by)")
+        where = " or ".join(str(f) for f in files)
+        raise RecipeError(
+            f"{where}: no provenance in it or beside it (a commit to name the run by)"
+        )
+    first = bodies[next(iter(parts))]
     prov = {k: v for k, v in prov.items() if not isinstance(v, (dict, list)) or k == "gpus"}
-    prov.setdefault("command", result.get("command", NOT_RECORDED))
+    prov.setdefault("command", first.get("command", NOT_RECORDED))
     prov.setdefault("machine", recipe["machine"])
-    prov.setdefault("date", result.get("date") or _date_in_name(file))
-    prov["adopted_from"] = os.path.relpath(file.resolve(), ROOT)
+    prov.setdefault("date", first.get("date") or _date_in_name(files[0]))
+    rel = {n: os.path.relpath(f.resolve(), ROOT) for n, f in parts.items()}
+    prov["adopted_from"] = rel[None] if table is None else rel
     prov["provenance_from"] = os.path.relpath(source.resolve(), ROOT)  # its command is that file's
     path = write_run(results, recipe, prov, result)
-    print(
-        f"bench/run: {recipe['name']}: adopted {prov['adopted_from']} as {os.path.relpath(path, ROOT)}"
-    )
+    print(f"bench/run: {recipe['name']}: adopted {', '.join(rel.values())} as "
+          f"{os.path.relpath(path, ROOT)}")  # fmt: skip
     return path
+
+
+def _own_provenance(body) -> dict | None:
+    """The provenance a result records, in the shapes results had: a provenance dict, an
+    environment dict, a machine dict, or commit and date at the top level; None if none."""
+    if not isinstance(body, dict):
+        return None
+    for prov in (body.get("provenance"), body.get("environment"), body.get("machine"), body):
+        if isinstance(prov, dict) and isinstance(prov.get("commit"), str):
+            return prov
+    return None
+
+
+def _commit(prov: dict | None) -> str | None:
+    return None if prov is None else prov["commit"][:7]
 
 
 def _date_in_name(file: Path) -> str:
@@ -197,9 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.list:
             list_recipes(args.results)
         elif args.recipes[:1] == ["adopt"]:
-            if len(args.recipes) != 3:
-                ap.error("adopt takes RECIPE FILE")
-            adopt(load_recipe(args.recipes[1]), Path(args.recipes[2]), args.results)
+            if len(args.recipes) < 3:
+                ap.error("adopt takes RECIPE FILE (RECIPE NAME=FILE ... for a table result)")
+            files = args.recipes[2:]
+            if all("=" in a for a in files):  # a table result's parts
+                file = {n: Path(f) for n, f in (a.split("=", 1) for a in files)}
+            elif len(files) == 1:
+                file = Path(files[0])
+            else:
+                ap.error("adopt takes RECIPE FILE (RECIPE NAME=FILE ... for a table result)")
+            adopt(load_recipe(args.recipes[1]), file, args.results)
         elif not args.recipes:
             ap.error("name a recipe (--list shows them)")
         else:

@@ -64,6 +64,11 @@ def test_resolve_picks_list_elements_by_fields_and_says_what_is_missing(tools):
         report.resolve(data, "tables[pool=all].rows[batch=1].tok")
     with pytest.raises(run.RecipeError, match="expected a number"):
         report.resolve(data, "tables[pool=all].pool")
+    dotted = {"summary": {"glm-5.2": {"worst": 5.4}}, "layers": {"same": [0.7, 0.6]}}
+    assert report.resolve(dotted, "summary.'glm-5.2'.worst") == 5.4  # a key holding a dot
+    assert report.resolve(dotted, "layers.same[1]") == 0.6
+    with pytest.raises(run.RecipeError, match=r"no 'glm-5'"):
+        report.resolve(dotted, "summary.glm-5.2.worst")
 
 
 RECIPE = """description = "a test recipe: a value and its baseline, written by the command"
@@ -103,6 +108,77 @@ def test_a_recipe_runs_writes_one_run_file_and_renders_a_table(tmp_path, tools):
     new, seen = report.render(doc, doc.read_text(), {"test": [(fig, path)]})
     assert seen == {"test"} and "stale" not in new and line in new
     assert report.render(doc, new, {"test": [(fig, path)]})[0] == new  # stable
+
+
+TABLE_RECIPE = """description = "a test recipe whose result is a table of two files"
+machine = "cpu"
+command = ["true"]
+
+[result]
+ours = "ours-*.json"
+theirs = "theirs.json"
+
+[[figure]]
+table = "test"
+what = "batch 1"
+value = "ours.timing.batches.1.us"
+baseline = "theirs.Marlin W4A16.1"
+vs = "Marlin"
+unit = "µs"
+target = "<= 0.5"
+"""
+
+
+def test_adopt_wraps_older_files_as_a_run_of_a_table_recipe(tmp_path, tools):
+    run, report = tools
+    recipe = tmp_path / "pair.toml"
+    recipe.write_text(TABLE_RECIPE)
+    old = tmp_path / "old"
+    old.mkdir()
+    ours = old / "h200-2026-11-30.json"
+    ours.write_text(json.dumps({"environment": {"commit": "abc1234", "gpu": "H200"},
+                                "timing": {"batches": {"1": {"us": 40.0}}}}))  # fmt: skip
+    theirs = old / "vllm_moe.json"
+    theirs.write_text(json.dumps({"Marlin W4A16": {"1": 80.0}, "versions": {"vllm": "0.24.0"}}))
+    results = tmp_path / "results"
+    r = bench("run.py", "--results", str(results), "adopt", str(recipe),
+              f"ours={ours}", f"theirs={theirs}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (path,) = (results / "pair").glob("cpu-2026-11-30-abc1234.json")
+    body = json.loads(path.read_text())
+    assert set(body["result"]) == {"ours", "theirs"} and body["provenance"]["gpu"] == "H200"
+    assert set(body["provenance"]["adopted_from"]) == {"ours", "theirs"}
+    fig = run.load_recipe(str(recipe))["figure"][0]
+    assert "| 40.0 µs | 80.0 µs (Marlin) | 0.50× | ≤ 0.5×: met |" in report.row(
+        fig, path, tmp_path / "d.md"
+    )
+    # a part the older result lacks stays out: its baseline is "not in this run"
+    r = bench(
+        "run.py", "--results", str(tmp_path / "partial"), "adopt", str(recipe), f"ours={ours}"
+    )
+    assert r.returncode == 0, r.stderr
+    (path,) = (tmp_path / "partial" / "pair").glob("*.json")
+    assert "| 40.0 µs | not in this run (Marlin) |" in report.row(fig, path, tmp_path / "d.md")
+    # one FILE for a table recipe, an unknown part, parts of two runs: one clear line each
+    other = old / "other.json"
+    other.write_text(json.dumps({"environment": {"commit": "def5678"}}))
+    for args, message in [
+        ([str(ours)], "adopt takes NAME=FILE for its parts (ours, theirs)"),
+        ([f"mine={ours}"], "its result's parts are ['ours', 'theirs'], found ['mine']"),
+        ([f"ours={ours}", f"theirs={other}"], "not one run"),
+    ]:
+        r = bench("run.py", "--results", str(tmp_path / "bad"), "adopt", str(recipe), *args)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_report_renders_the_packages_readmes_too(tools):
+    _, report = tools
+    found = set()
+    for doc in sorted((ROOT / "packages").glob("*/README.md")):
+        found |= report.render(doc, doc.read_text(), report.figures(report.RESULTS))[1]
+    assert {"quant-speed", "store-cpu", "store-h200"} <= found
 
 
 def test_the_check_fails_on_a_stale_table_with_one_line(tmp_path, tools):
