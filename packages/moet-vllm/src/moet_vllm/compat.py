@@ -407,6 +407,30 @@ def _uses_v2_model_runner(vllm_config) -> bool:
     )
 
 
+def refuse_pipeline_parallelism() -> None:
+    """moet serves one pipeline stage: its packs and pools span every MoE layer of the model,
+    and a stage-local replay is not built (issue 21), so pipeline parallelism is refused."""
+    from vllm.config import get_current_vllm_config
+
+    pp = get_current_vllm_config().parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise MoetVllmError(
+            f"moet: pipeline parallel size {pp} is not supported yet (expert packs and pools "
+            "per pipeline stage are not built); use tensor parallelism "
+            "(--tensor-parallel-size) instead"
+        )
+
+
+def serves_mtp_drafter() -> bool:
+    """Whether the engine drafts with the checkpoint's own MTP layers (speculative method
+    "mtp", to which vLLM normalizes the per-architecture names): only then does it build them."""
+    from vllm.config import get_current_vllm_config
+
+    spec = get_current_vllm_config().speculative_config
+    method = getattr(spec, "method", None) or ""
+    return method == "mtp" or method.endswith("_mtp")
+
+
 def check_residency_supported(cfg) -> tuple[int, int]:
     """Refuse, at boot, the settings under which a replay would deadlock or corrupt state
     (design.md); -> (max_num_seqs, speculative tokens per step) for the boot floor."""

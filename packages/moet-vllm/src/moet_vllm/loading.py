@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+from . import compat
 from .config import MoetConfig
 from .experts import ExpertSource, OfficialSource
 from .packcache import ExpertPackCache
@@ -62,16 +63,24 @@ class MoetLoadSession:
             self.source.row_layout(native, self.source.fp4_kind) if cfg.serves_fp4 else None
         )
         self.fp4_cache = cache(self.fp4_layout) if self.fp4_layout is not None else None
-        self.pending = set(self.source.moe_layers)
+        # vLLM builds the checkpoint's MTP layers only to draft with them: the others never load
+        src_mtp = self.source.mtp_layers
+        self.mtp_layers = src_mtp if compat.serves_mtp_drafter() else []
+        # the MoE layers this engine serves, in pack order (MTP layers come last)
+        self.moe_layers = [m for m in self.source.moe_layers
+                           if m not in src_mtp or m in self.mtp_layers]  # fmt: skip
+        self.pending = set(self.moe_layers)
         self.from_pack = self.quantized = 0
         self.seconds = self.pack_seconds = 0.0
+        unserved = [m for m in src_mtp if m not in self.mtp_layers]
         log.info(
-            "moet: experts of %s: %s (%s, %d MoE layers x %d experts); %s rows; pack cache %s",
+            "moet: experts of %s: %s (%s, %d MoE layers x %d experts%s); %s rows; pack cache %s",
             model_path,
             self.source.kind,
             self.source.source_format,
-            len(self.source.moe_layers),
+            len(self.moe_layers),
             self.source.n_experts,
+            f"; MTP layer(s) {unserved} unused: no MTP drafter" if unserved else "",
             "kernel-native" if native else "logical",
             self.cache.reason,
         )

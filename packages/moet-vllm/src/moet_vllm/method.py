@@ -374,6 +374,7 @@ class MoetQuantConfig(QuantizationConfig):
             if model_config is not None:  # an architecture moet cannot serve: refused at boot
                 hf = model_config.hf_config.to_dict()
                 family_for(text_config(hf), f"{model_config.model}/config.json")
+            compat.refuse_pipeline_parallelism()
             qc = self.checkpoint_qc if self.is_moet_checkpoint else None
             cfg = resolve(qc, additional_config or {})
             self._cfg = cfg

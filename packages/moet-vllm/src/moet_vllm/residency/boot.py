@@ -26,9 +26,8 @@ def start_residency(
 ) -> ResidencyManager:
     """The manager of this worker (activated): a pool of `cfg.gpu_pool` slots on `device` over
     the session's packs. `serving` = (max_num_seqs, speculative tokens per step): the floor."""
-    src = session.source
-    mtp = src.mtp_layers
-    n_moe = len(src.moe_layers) - len(mtp)  # the tiered MoE layers (MTP's are pinned)
+    src, moe_layers, mtp = session.source, session.moe_layers, session.mtp_layers
+    n_moe = len(moe_layers) - len(mtp)  # the tiered MoE layers (MTP's are pinned)
     n_tiered_keys = n_moe * src.n_experts
     max_num_seqs, num_spec = serving
     floor = boot_floor(n_moe, top_k, 1 + num_spec, max_num_seqs)
@@ -47,8 +46,8 @@ def start_residency(
     store = session.cache.open_store(cfg.host_tier, cfg.host_arena)
     fp4 = None
     if session.fp4_cache is not None:  # the FP4 tier: its pool and its own pack
-        n_moe_all = len(src.moe_layers)
-        tiered = [o for o in range(n_moe_all) if src.moe_layers[o] not in mtp]
+        n_moe_all = len(moe_layers)
+        tiered = [o for o in range(n_moe_all) if moe_layers[o] not in mtp]
         n_fp4, auto = fp4_pool_slots(cfg, n_tiered_keys), cfg.fp4_pool == "auto"
         fp4 = Fp4Pool(
             session.fp4_layout, session.fp4_cache.open_store(cfg.host_tier, cfg.host_arena),
@@ -59,7 +58,7 @@ def start_residency(
             fp4.auto_cap = n_fp4
     mgr = ResidencyManager(
         session.layout,
-        src.moe_layers,
+        moe_layers,
         src.n_experts,
         n_slots,
         store,
