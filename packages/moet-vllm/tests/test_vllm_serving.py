@@ -76,7 +76,8 @@ def test_plain_model_serves_identically_with_and_without_the_plugin(models, tmp_
     with_plugin = run_vllm(models["official"], tmp_path, "with", prompts=p)
     without = run_vllm(models["official"], tmp_path, "without", env={"VLLM_PLUGINS": ""}, prompts=p)
     assert with_plugin["plugin_registered"] and not without["plugin_registered"]
-    assert "moet" not in without["log"]
+    # no moet line (the model's own path, under packages/moet/, aside)
+    assert "moet" not in without["log"].replace(str(models["official"]), "")
     assert with_plugin["tokens"] == without["tokens"]
     assert with_plugin["tokens"] != models["reference"]  # bf16 experts, not W2: a real difference
 

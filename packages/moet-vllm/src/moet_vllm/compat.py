@@ -410,9 +410,12 @@ def _uses_v2_model_runner(vllm_config) -> bool:
 def refuse_pipeline_parallelism() -> None:
     """moet serves one pipeline stage: its packs and pools span every MoE layer of the model,
     and a stage-local replay is not built (issue 21), so pipeline parallelism is refused."""
-    from vllm.config import get_current_vllm_config
+    import vllm.config
 
-    pp = get_current_vllm_config().parallel_config.pipeline_parallel_size
+    # no current config (a unit test building the method alone): no engine to refuse
+    current = getattr(vllm.config, "get_current_vllm_config_or_none", None)
+    vc = current() if current is not None else vllm.config.get_current_vllm_config()
+    pp = vc.parallel_config.pipeline_parallel_size if vc is not None else 1
     if pp > 1:
         raise MoetVllmError(
             f"moet: pipeline parallel size {pp} is not supported yet (expert packs and pools "
