@@ -948,7 +948,7 @@ def tiered_table(runs: list, h2d: float | None, md: list) -> list:
 # The gate's replay rate on the trained fixture at serving's defaults (fp4_pool 25%, gate_tau 1,
 # margin; docs/quality.md), per text: the rate a gated step's cost is weighed with here, since
 # synthetic weights have no meaningful confidence.
-FIXTURE_GATE_RUNS = sorted((HERE / "fixture" / "results").glob("fp4_gate-*.json"))
+FIXTURE_GATE_RUNS = HERE / "fixture" / "results"  # fp4_gate-<text>.json
 FIXTURE_GATE_CONFIG = "pool 25% tau 1 (margin)"
 
 
@@ -958,7 +958,7 @@ def gate_at_fixture_rates(tiered: list, md: list) -> list:
     (POOL, tau 0: t0) and replaying every step (POOL/gate=1e9: t1), 1 / ((1 - r) / t0 + r / t1),
     against the tier off; appended to `md`."""
     rates = {}
-    for f in FIXTURE_GATE_RUNS:
+    for f in sorted(FIXTURE_GATE_RUNS.glob("fp4_gate-*.json")):
         config = json.loads(f.read_text())["configs"].get(FIXTURE_GATE_CONFIG)
         if config:
             rates[f.stem.removeprefix("fp4_gate-")] = config["gated_pct"]

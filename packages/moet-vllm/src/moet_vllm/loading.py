@@ -63,16 +63,15 @@ class MoetLoadSession:
             self.source.row_layout(native, self.source.fp4_kind) if cfg.serves_fp4 else None
         )
         self.fp4_cache = cache(self.fp4_layout) if self.fp4_layout is not None else None
-        # vLLM builds the checkpoint's MTP layers only to draft with them: the others never load
-        src_mtp = self.source.mtp_layers
-        self.mtp_layers = src_mtp if compat.serves_mtp_drafter() else []
+        # vLLM builds the checkpoint's MTP layers only to draft with them: else they never load
+        drafts = compat.serves_mtp_drafter()
+        self.mtp_layers = self.source.mtp_layers if drafts else []
+        unserved = [] if drafts else self.source.mtp_layers
         # the MoE layers this engine serves, in pack order (MTP layers come last)
-        self.moe_layers = [m for m in self.source.moe_layers
-                           if m not in src_mtp or m in self.mtp_layers]  # fmt: skip
+        self.moe_layers = [m for m in self.source.moe_layers if m not in unserved]
         self.pending = set(self.moe_layers)
         self.from_pack = self.quantized = 0
         self.seconds = self.pack_seconds = 0.0
-        unserved = [m for m in src_mtp if m not in self.mtp_layers]
         log.info(
             "moet: experts of %s: %s (%s, %d MoE layers x %d experts%s); %s rows; pack cache %s",
             model_path,
