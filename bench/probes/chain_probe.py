@@ -1,0 +1,127 @@
+"""Where a decode step's MoE op spends its time: the launch chain cut after each stage.
+
+    python3 bench/probes/chain_probe.py [--shape glm-4.5-air] [--batches 1 8 32] [--out FILE]
+
+The op (select -> route -> w13 -> requant -> w2 -> combine) is captured in one CUDA graph over 8
+layers of distinct pools (L2 defeated, as bench/kernels.py times it) and replayed, once per prefix
+of the chain: the time a prefix adds over the one before is what its last stage costs on the
+chain's critical path (its own latency plus its launch boundary, with PDL as the loader launches
+it), which the profiler's per-kernel spans cannot say (a PDL-launched kernel's span includes its
+wait). Each prefix is also timed with PDL off; the empty graph (the replay's own cost) is the first
+row. Issue 18: the batch-1 target needs the op
+near 29 us a layer on GLM-4.5-Air's shape, from about 53 in serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # bench/kernels.py  # noqa: E402
+import torch  # noqa: E402
+
+STAGES = ("select", "route", "w13", "requant", "w2", "combine")
+
+
+def stage_of(kernel: str) -> str:
+    return next(s for s in STAGES if kernel.startswith(f"moet_{s}"))
+
+
+def timed(layers, logits, xs, n_tok, keep: set, pdl: bool, routing) -> float:
+    """Median µs per layer of one graph over `layers`, launching only the kernels of `keep`."""
+    from moet_kernels import loader, ops
+
+    mod = loader.load(torch.device("cuda"))
+    launch, attrs = type(mod).launch, mod._pdl
+
+    def only(self, name, grid, block, args):
+        if stage_of(name) in keep:
+            launch(self, name, grid, block, args)
+
+    nr = torch.tensor([n_tok], dtype=torch.int32, device="cuda")
+    miss = torch.zeros(1, dtype=torch.int32, device="cuda")
+    routed = torch.zeros(layers[0].n_experts, dtype=torch.uint8, device="cuda")
+    fixed = [ops.select_experts(lg, routing) for lg in logits]  # every stage reads real routes
+
+    def step():
+        for layer, lg, x, (w, ids) in zip(layers, logits, xs, fixed):
+            if "select" in keep:
+                ops.select_experts(lg, routing)
+            kb.run_op(layer, x, ids, w, nr, miss, routed)
+
+    type(mod).launch = only
+    if not pdl:
+        mod.__dict__["_pdl"] = _no_pdl()
+    try:
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        for _ in range(5):
+            g.replay()
+        times = []
+        for _ in range(7):
+            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            st.record()
+            for _ in range(20):
+                g.replay()
+            en.record()
+            en.synchronize()
+            times.append(st.elapsed_time(en) * 1e3 / (20 * len(layers)))
+    finally:
+        type(mod).launch = launch
+        mod.__dict__["_pdl"] = attrs
+    return sorted(times)[len(times) // 2]
+
+
+def _no_pdl():
+    from cuda.bindings import driver
+
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 0
+    return attr
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="glm-4.5-air", choices=sorted(kb.SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    kb.build_cubin()
+    from moet_kernels import ops
+    from moet_kernels.reference import Routing
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, _, e, k = kb.SHAPES[args.shape]
+    layers = kb.glm_layers(gen, shape=args.shape)
+    routing = Routing(k, "sigmoid", True)  # GLM-4.5's rules: sigmoid, renormalized
+    rows = []
+    for n_tok in args.batches:
+        ops._workspaces.clear()
+        logits = [torch.randn(n_tok, e, device="cuda", generator=gen) for _ in layers]
+        xs = [torch.randn(n_tok, h, device="cuda", generator=gen).bfloat16() for _ in layers]
+        for pdl in (True, False):
+            prev = None
+            for i in range(len(STAGES) + 1):
+                keep = set(STAGES[:i])
+                us = timed(layers, logits, xs, n_tok, keep, pdl, routing)
+                stage = STAGES[i - 1] if i else "(empty graph)"
+                rows.append({"batch": n_tok, "pdl": pdl, "through": stage, "us_per_layer": us,
+                             "adds_us": None if prev is None else us - prev})  # fmt: skip
+                prev = us
+                print(f"T={n_tok:3d} pdl={int(pdl)} through {stage:14s} {us:7.2f} us/layer"
+                      + ("" if i == 0 else f"  (+{rows[-1]['adds_us']:.2f})"), flush=True)
+    result = {"shape": args.shape, "layers_in_graph": len(layers), "rows": rows,
+              "provenance": kb.provenance([sys.executable, *sys.argv])}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
