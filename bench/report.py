@@ -7,8 +7,8 @@ from the committed runs.
 A recipe's `[[figure]]` entries name a table (`readme`: the README's). A table lives in README.md,
 a page of docs/ or a package's README (packages/*/README.md) between `<!-- bench:NAME begin -->`
 and `<!-- bench:NAME end -->`, and its rows come from the newest run of each figure's recipe
-(bench/results/<recipe>/): the value, the baseline of the same run, their ratio, the target and
-the run file. Markers of other names (a
+(bench/results/<recipe>/), or the one its `run` names: the value, the baseline of the same run,
+their ratio, the target and the run file. Markers of other names (a
 bench script's own table, e.g. bench/residency.py's) are left alone.
 """
 
@@ -97,13 +97,20 @@ def row(fig: dict, run_file: Path | None, doc: Path) -> str:
 
 
 def figures(results: Path) -> dict[str, list[tuple[dict, Path | None]]]:
-    """table name -> [(figure, the newest run of its recipe or None)], in recipe-name order."""
+    """table name -> [(figure, its run or None)], in recipe-name order: the run of its recipe that
+    the figure's `run` names (a past run's figure), else the newest."""
     tables: dict[str, list] = {}
     for path in sorted(RECIPES.glob("*.toml")):
         recipe = load_recipe(path.stem)
         done = runs(results, recipe["name"])
         for fig in recipe.get("figure", []):
-            tables.setdefault(fig["table"], []).append((fig, done[-1] if done else None))
+            run_file = done[-1] if done else None
+            if "run" in fig:
+                run_file = next((p for p in done if p.stem == fig["run"]), None)
+                if run_file is None:
+                    raise RecipeError(f"recipe {recipe['name']}: figure {fig['what']!r}: no run "
+                                      f"{fig['run']!r} (its runs: {[p.stem for p in done]})")  # fmt: skip
+            tables.setdefault(fig["table"], []).append((fig, run_file))
     return tables
 
 

@@ -36,7 +36,7 @@ from results_io import RESULTS, runs, write_run  # noqa: E402
 RECIPES = HERE / "recipes"
 MACHINES = ("cpu", "h200")
 KEYS = {"description", "machine", "command", "result", "figure"}
-FIGURE_KEYS = {"table", "what", "value", "baseline", "vs", "unit", "target"}
+FIGURE_KEYS = {"table", "what", "value", "baseline", "vs", "unit", "target", "run"}
 # a figure's target: ">= 1.35", "<= 0.5" (on the ratio), ">= 200 MB/s" (on the value)
 TARGET = re.compile(r"(>=|<=) ([0-9.]+(?:e[0-9]+)?)(?: (\S.*))?")
 

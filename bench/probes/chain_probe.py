@@ -115,8 +115,11 @@ def main() -> None:
                 rows.append({"batch": n_tok, "pdl": pdl, "through": stage, "us_per_layer": us,
                              "adds_us": None if prev is None else us - prev})  # fmt: skip
                 prev = us
-                print(f"T={n_tok:3d} pdl={int(pdl)} through {stage:14s} {us:7.2f} us/layer"
-                      + ("" if i == 0 else f"  (+{rows[-1]['adds_us']:.2f})"), flush=True)
+                print(
+                    f"T={n_tok:3d} pdl={int(pdl)} through {stage:14s} {us:7.2f} us/layer"
+                    + ("" if i == 0 else f"  (+{rows[-1]['adds_us']:.2f})"),
+                    flush=True,
+                )
     result = {"shape": args.shape, "layers_in_graph": len(layers), "rows": rows,
               "provenance": kb.provenance([sys.executable, *sys.argv])}  # fmt: skip
     if args.out:

@@ -1,7 +1,8 @@
 """The benchmark system (bench/run.py, bench/report.py, bench/recipes/): every committed recipe is
-valid and every figure renders from its newest committed run; the runner runs a recipe and writes
-one run file with the one provenance schema; the report renders a table from it and its check
-fails on a stale one; bad recipes and failing commands give one clear line."""
+valid and every figure renders from its committed run (the newest, or the one it names); the
+runner runs a recipe and writes one run file with the one provenance schema; the report renders a
+table from it and its check fails on a stale one; bad recipes and failing commands give one clear
+line."""
 
 from __future__ import annotations
 
@@ -108,6 +109,33 @@ def test_a_recipe_runs_writes_one_run_file_and_renders_a_table(tmp_path, tools):
     new, seen = report.render(doc, doc.read_text(), {"test": [(fig, path)]})
     assert seen == {"test"} and "stale" not in new and line in new
     assert report.render(doc, new, {"test": [(fig, path)]})[0] == new  # stable
+
+
+def test_a_figure_naming_a_run_reads_that_run_and_an_unknown_one_is_one_clear_line(
+    tmp_path, tools, monkeypatch
+):
+    run, report = tools
+    import results_io
+
+    recipes, results = tmp_path / "recipes", tmp_path / "results"
+    recipes.mkdir()
+    newest = RECIPE[RECIPE.index("[[figure]]") :].replace('table = "test"', 'table = "newest"')
+    (recipes / "tiny.toml").write_text(f'{RECIPE}run = "cpu-2026-11-01-aaaaaaa"\n\n{newest}')
+    monkeypatch.setattr(run, "RECIPES", recipes)
+    monkeypatch.setattr(report, "RECIPES", recipes)
+    recipe = run.load_recipe("tiny")
+    for commit, day, moet in [("aaaaaaa", "2026-11-01", 30.0), ("bbbbbbb", "2026-12-01", 40.0)]:
+        prov = {"machine": "cpu", "date": day, "commit": commit}
+        rows = [{"batch": 1, "moet": moet, "stock": 20.0}]
+        results_io.write_run(results, recipe, prov, {"rows": rows})
+    tables = report.figures(results)
+    (fig, named), (_, newest_run) = tables["test"][0], tables["newest"][0]
+    assert named.stem == "cpu-2026-11-01-aaaaaaa" and newest_run.stem == "cpu-2026-12-01-bbbbbbb"
+    line = report.row(fig, named, tmp_path / "d.md")
+    assert "| 30.0 tok/s | 20.0 tok/s (stock) | 1.50× |" in line and named.name in line
+    (recipes / "tiny.toml").write_text(f'{RECIPE}run = "cpu-2026-10-01-ccccccc"\n')
+    with pytest.raises(run.RecipeError, match="'decode, batch 1': no run 'cpu-2026-10-01-ccccccc'"):
+        report.figures(results)
 
 
 TABLE_RECIPE = """description = "a test recipe whose result is a table of two files"
