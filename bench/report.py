@@ -8,13 +8,16 @@ A recipe's `[[figure]]` entries name a table (`readme`: the README's). A table l
 a page of docs/ or a package's README (packages/*/README.md) between `<!-- bench:NAME begin -->`
 and `<!-- bench:NAME end -->`, and its rows come from the newest run of each figure's recipe
 (bench/results/<recipe>/), or the one its `run` names: the value, the baseline of the same run,
-their ratio, the target and the run file. Markers of other names (a
-bench script's own table, e.g. bench/residency.py's) are left alone.
+their ratio, the target and the run file. The pages a bench script renders itself from committed
+results (SCRIPTED: a block between markers, or a whole file) are checked and rewritten the same
+way, with the script's render; markers of other names are left alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 import os
 import re
@@ -114,12 +117,53 @@ def figures(results: Path) -> dict[str, list[tuple[dict, Path | None]]]:
     return tables
 
 
-def render(doc: Path, text: str, tables: dict) -> tuple[str, set[str]]:
-    """`text` of `doc` with each recipes' table rendered -> (new text, tables found in it)."""
+@functools.cache
+def script(path: str):
+    """bench/`path` as a module, for its render: that imports numpy and the installed moet
+    packages' formatters (the .venv's), never torch, vLLM or a model."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, HERE / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def residency_run(results: Path) -> dict:
+    """The result of the newest run of the recipe residency-policy (bench/residency.py)."""
+    done = runs(results, "residency-policy")
+    if not done:
+        raise RecipeError("no run of the recipe residency-policy to render docs/residency.md from")
+    return json.loads(done[-1].read_text())["result"]
+
+
+# What bench scripts render themselves from committed results, checked and rewritten here with
+# the recipes' tables: doc (from the root) -> (its marker name, or None: the whole file; the render:
+# the results folder -> the text).
+SCRIPTED = {
+    "docs/quality.md": (None, lambda results: script("fixture/quality.py").render()),
+    "docs/residency.md": (
+        "residency",
+        lambda results: script("residency.py").render(residency_run(results)),
+    ),
+    "docs/residency-replay.svg": (
+        None,
+        lambda results: script("residency.py").svg(residency_run(results)),
+    ),
+}
+
+
+def render(
+    doc: Path, text: str, tables: dict, blocks: dict[str, str] | None = None
+) -> tuple[str, set[str]]:
+    """`text` of `doc` with each recipes' table rendered, and each of `blocks` (marker name -> a
+    script's text) put between its markers -> (new text, tables and blocks found in it)."""
     seen = set()
+    blocks = blocks or {}
 
     def table(m: re.Match) -> str:
         name = m.group("name")
+        if name in blocks:
+            seen.add(name)
+            return f"<!-- bench:{name} begin -->\n{blocks[name]}<!-- bench:{name} end -->"
         if name not in tables:
             return m.group(0)
         seen.add(name)
@@ -137,22 +181,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=RESULTS, help=argparse.SUPPRESS)
     ap.add_argument("--docs", type=Path, nargs="*", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    docs = (
-        args.docs
-        if args.docs is not None
-        else [
+    scripted = {(ROOT / rel).resolve(): entry for rel, entry in SCRIPTED.items()}
+    if args.docs is not None:
+        docs = args.docs
+    else:
+        docs = [
             ROOT / "README.md",
             *sorted((ROOT / "docs").glob("*.md")),
             *sorted((ROOT / "packages").glob("*/README.md")),
         ]
-    )
+        docs += [p for p in scripted if p not in {d.resolve() for d in docs}]
     try:
         tables = figures(args.results)
         stale, found = [], set()
         for doc in docs:
             text = doc.read_text()
-            new, seen = render(doc, text, tables)
-            found |= seen
+            marker, make = scripted.get(doc.resolve(), (None, None))
+            if make and marker is None:  # a script's whole file
+                new = make(args.results)
+            else:
+                new, seen = render(
+                    doc, text, tables, {marker: make(args.results)} if make else None
+                )
+                found |= seen
+                if make and marker not in seen:
+                    raise RecipeError(f"{os.path.relpath(doc, ROOT)}: no <!-- bench:{marker} "
+                                      "begin --> ... end --> markers for its script's table")  # fmt: skip
             if new != text:
                 stale.append(os.path.relpath(doc, ROOT))
                 if not args.check:
@@ -167,10 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.check and stale:
         print(f"bench/report: {', '.join(stale)}: benchmark tables differ from what the committed "
-              "runs render: run `nox -s report` and commit", file=sys.stderr)  # fmt: skip
+              "results render: run `nox -s report` and commit", file=sys.stderr)  # fmt: skip
         return 1
     print(
-        f"bench/report: {len(docs)} files, {sum(map(len, tables.values()))} figures: "
+        f"bench/report: {len(docs)} files, {sum(map(len, tables.values()))} figures, "
+        f"{sum(d.resolve() in scripted for d in docs)} rendered by bench scripts: "
         + ("up to date" if not stale else f"rewrote {', '.join(stale)}")
     )
     return 0

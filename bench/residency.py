@@ -19,14 +19,18 @@ settle, is not counted. Pools
 smaller than 1.15x the largest step (the boot floor's margin) are skipped. Target: the serving
 policy's replay % within 1.5x of Belady's.
 
-Writes bench/results/residency/cpu-<date>.json, docs/residency-replay.svg (replay % vs pool size
-per policy, and the traces' coverage curves) and the results table inside docs/residency.md.
+Writes bench/results/residency/cpu-<date>.json (through the recipe: a run under
+bench/results/residency-policy/), docs/residency-replay.svg (replay % vs pool size per policy, and
+the traces' coverage curves) and the results table inside docs/residency.md. `render` and `svg`
+make both from a result alone (numpy only: no vLLM, no model); `nox -s report` checks and rewrites
+them from the newest committed run of the recipe residency-policy (bench/report.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import multiprocessing as mp
 import os
@@ -37,24 +41,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[var] = "1"
+if __name__ == "__main__":  # the simulator's workers: one BLAS thread each (not when imported)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = "1"
 
 import numpy as np  # noqa: E402
-from results_io import write_result  # noqa: E402
-
-import moet.models  # noqa: E402
-from moet_vllm import __version__  # noqa: E402
-from moet_vllm.planning import simulate as sim  # noqa: E402
-from moet_vllm.planning import traces  # noqa: E402
-from moet_vllm.residency import policy as pol  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "residency.md"
 SVG = ROOT / "docs" / "residency-replay.svg"
 FIXTURE_TRACE = ROOT / "bench" / "out" / "fixture" / "traces" / "test.npy"
 FIXTURE_TOKENS_FILE = ROOT / "bench" / "out" / "fixture" / "corpus" / "test.npy"
-FIXTURE_MODEL = moet.models.fixture() / "config.json"
 FIXTURE_TOKENS = 16384
 FIXTURE = "fixture"
 TARGET = 1.5
@@ -80,6 +77,9 @@ _TRACES: dict[str, dict] = {}  # filled before the worker pool forks
 def load_fixture(tokens: int) -> dict | None:
     """The fixture's routing trace of its test split and the input token of each row (row t
     routes token t of the split), or None when the trace has not been built."""
+    import moet.models
+    from moet_vllm.planning import traces
+
     if not FIXTURE_TRACE.exists() or not FIXTURE_TOKENS_FILE.exists():
         return None
     ids, meta = traces.load_trace(FIXTURE_TRACE)
@@ -87,9 +87,7 @@ def load_fixture(tokens: int) -> dict | None:
     if len(toks) < len(ids):
         sys.exit(f"{FIXTURE_TOKENS_FILE} has {len(toks)} tokens, the trace {len(ids)} rows")
     ids, toks = ids[:tokens], toks[:tokens].astype(np.int64)
-    import json
-
-    cfg = json.loads(FIXTURE_MODEL.read_text())
+    cfg = json.loads((moet.models.fixture() / "config.json").read_text())
     weights = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
     return {
         "ids": ids,
@@ -125,6 +123,8 @@ def token_predictability(ids: np.ndarray, tokens: np.ndarray, n_experts: int) ->
 
 
 def job(args: tuple) -> dict:
+    from moet_vllm.planning import simulate as sim
+
     name, batch, frac, extra = args
     tr = _TRACES[name]
     E, L = tr["E"], tr["layers"]
@@ -187,6 +187,9 @@ def job(args: tuple) -> dict:
 
 def bound_job(args: tuple) -> dict:
     """The online bound of a synthetic trace at one batch, for all its pools at once."""
+    from moet_vllm.planning import simulate as sim
+    from moet_vllm.planning import traces
+
     name, batch = args
     tr = _TRACES[name]
     prof = traces.PROFILES[name]
@@ -247,15 +250,40 @@ def fmt_ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}x"
 
 
-def table(rows: list[dict], bounds: dict) -> str:
+def online_bounds(result: dict) -> dict:
+    """(trace, batch) -> {pool fraction: the online bound's replay %} of a result."""
+    return {(b["trace"], b["batch"]): b["pct"] for b in result["online_bounds"]}
+
+
+def render(result: dict) -> str:
+    """The results table of docs/residency.md (between its markers) from a result of this bench."""
+    info, policy = result["traces"], result["policy"]
+    # a synthetic trace records its profile
+    synthetic = [d for d in info.values() if "profile" in d]
+    fixture_note = (
+        f", fixture: the first {info[FIXTURE]['tokens']} tokens of its test split"
+        if FIXTURE in info
+        else ", no fixture trace"
+    )
+    head = (
+        f"Measured {result['date'][:10]} (commit {result['commit']}, "
+        f"{synthetic[0]['tokens']} tokens per synthetic trace, seed {synthetic[0]['seed']}"
+        f"{fixture_note}; half-life {policy['half_life_steps']:g} steps, predict threshold "
+        f"{policy['predict_threshold']:g}, MIN+pf {policy['prefetch_on_replay (min+pf)']} rows per "
+        "replay step; bench/results/residency-policy/):\n"
+    )
+    return head + table(result["rows"], online_bounds(result), info) + coverage_table(info)
+
+
+def table(rows: list[dict], bounds: dict, info: dict) -> str:
     out = []
-    for name in _TRACES:
+    for name in info:
         for batch in BATCHES:
             sel = [r for r in rows if r["trace"] == name and r["batch"] == batch and "decay" in r]
             if not sel:
                 continue
             tokens = "predict" in sel[0]
-            synthetic = name in traces.PROFILES
+            synthetic = "profile" in info[name]
             out.append(
                 f"\n**{name}, batch {batch}** — replay % of steps (missing pairs per step; "
                 + ("for predict and " if tokens else "for ")
@@ -341,11 +369,12 @@ LABELS = {
 DASHED = ("bound", "min", "min+pf", "online")
 
 
-def svg(rows: list[dict], bounds: dict, info: dict) -> str:
-    """Replay % vs pool size per policy, one panel per (trace, batch), and the coverage curves.
-    Hand-made SVG."""
+def svg(result: dict) -> str:
+    """Replay % vs pool size per policy, one panel per (trace, batch), and the coverage curves, of
+    a result of this bench. Hand-made SVG."""
+    rows, bounds, info = result["rows"], online_bounds(result), result["traces"]
     pw, ph, ml, mt, gap = 300, 210, 50, 30, 40
-    panels = [(n, b) for n in _TRACES for b in BATCHES] + [("coverage", 0)]
+    panels = [(n, b) for n in info for b in BATCHES] + [("coverage", 0)]
     cols = 2
     w = ml + cols * (pw + gap)
     h = mt + ((len(panels) + cols - 1) // cols) * (ph + 70) + 60
@@ -402,9 +431,9 @@ def svg(rows: list[dict], bounds: dict, info: dict) -> str:
                     f'<text x="{x0 + pw - 5}" y="{y0 + ph - 10 - 14 * j}" text-anchor="end" '
                     f'fill="{color}">{tname}</text>'
                 )
-            for tname, prof in traces.PROFILES.items():  # the published points
-                if tname in info:
-                    px_, py_ = prof.target
+            for d in info.values():  # the published points of the synthetic traces
+                if "target" in d:
+                    px_, py_ = d["target"]
                     parts.append(
                         f'<circle cx="{x0 + pw * px_:.1f}" cy="{y0 + ph - ph * py_:.1f}" r="3" '
                         'fill="black"/>'
@@ -494,6 +523,13 @@ def tune_summary(tune_rows: list[dict]) -> dict:
 
 
 def main() -> None:
+    from results_io import write_result
+
+    from moet_vllm import __version__
+    from moet_vllm.planning import simulate as sim
+    from moet_vllm.planning import traces
+    from moet_vllm.residency import policy as pol
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--tokens",
@@ -630,26 +666,16 @@ def main() -> None:
                 f"pairs {s['geomean_rows_vs_min'] or 0:.3f}x; traces {','.join(s['traces'])}"
             )
     result["wall_s"] = time.perf_counter() - t0
-    write_result("residency", result)
-    text = table(rows, bounds) + coverage_table(info)
+    # the outputs from the result as written, as `nox -s report` renders them from a committed run
+    result = json.loads(write_result("residency", result).read_text())
+    text = render(result)
     print(text)
     for k, v in summary.items():
         print(f"summary {k}: {v}")
     if not args.no_docs:
-        SVG.write_text(svg(rows, bounds, info))
+        SVG.write_text(svg(result))
         print(f"wrote {SVG}")
-        fixture_note = (
-            f", fixture: the first {len(_TRACES[FIXTURE]['ids'])} tokens of its test split"
-            if FIXTURE in _TRACES
-            else ", no fixture trace"
-        )
-        write_doc_table(
-            f"Measured {datetime.now(timezone.utc):%Y-%m-%d} (commit {result['commit']}, "
-            f"{args.tokens} tokens per synthetic trace, seed {SEED}{fixture_note}; half-life "
-            f"{pol.DEFAULT_HALF_LIFE_STEPS:g} steps, predict threshold "
-            f"{pol.DEFAULT_PREDICT_THRESHOLD:g}, MIN+pf {sim.DEFAULT_PREFETCH} rows per replay "
-            "step; bench/results/residency/):\n" + text
-        )
+        write_doc_table(text)
     print(f"wall {result['wall_s']:.1f} s")
 
 

@@ -7,6 +7,7 @@ line."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -217,6 +218,59 @@ def test_the_check_fails_on_a_stale_table_with_one_line(tmp_path, tools):
     r = bench("report.py", "--check", "--docs", str(doc))
     assert r.returncode == 1 and "run `nox -s report`" in r.stderr
     assert len(r.stderr.splitlines()) == 1 and "edited by hand" in doc.read_text()
+
+
+def test_the_check_covers_what_bench_scripts_render(tmp_path, tools, monkeypatch, capsys):
+    """docs/quality.md (bench/fixture/quality.py's, whole) and docs/residency.md's results table and
+    docs/residency-replay.svg (bench/residency.py's) render from the committed results: the check
+    passes on copies of the committed ones and fails with one line naming the file on a copy
+    edited by hand, which the plain run restores; a page without the table's markers is an error."""
+    _, report = tools
+    monkeypatch.setattr(report, "ROOT", tmp_path)  # the scripts' docs: copies under tmp_path
+    (tmp_path / "docs").mkdir()
+    quality, svg, page = (tmp_path / "docs" / n for n in ("quality.md", "residency-replay.svg",
+                                                          "residency.md"))  # fmt: skip
+    for doc in (quality, svg):
+        doc.write_text((ROOT / "docs" / doc.name).read_text())
+    block = re.search(r"<!-- bench:residency begin -->\n.*?<!-- bench:residency end -->\n",
+                      (ROOT / "docs" / "residency.md").read_text(), re.S).group(0)  # fmt: skip
+    # the residency page: every recipe table (the check wants them all), rendered for this copy,
+    # then the committed results table
+    tables = report.figures(report.RESULTS)
+    skeleton = "".join(f"<!-- bench:{t} begin -->\n<!-- bench:{t} end -->\n" for t in tables)
+    page.write_text(report.render(page, skeleton, tables)[0] + block)
+    docs = [str(d) for d in (quality, svg, page)]
+    assert report.main(["--check", "--docs", *docs]) == 0, capsys.readouterr().err
+    edits = {
+        quality: lambda t: t.replace("not significant", "insignificant", 1),
+        svg: lambda t: t.replace('fill="white"', 'fill="ivory"', 1),
+        page: lambda t: t.replace(block, block.replace("| 5% |", "| 6% |", 1)),
+    }
+    for doc, edit in edits.items():
+        committed = doc.read_text()
+        doc.write_text(edit(committed))
+        assert doc.read_text() != committed
+        capsys.readouterr()
+        assert report.main(["--check", "--docs", *docs]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(f"bench/report: docs/{doc.name}: ")
+        assert "run `nox -s report`" in err and doc.read_text() != committed
+        assert report.main(["--docs", *docs]) == 0 and doc.read_text() == committed
+    page.write_text(report.render(page, skeleton, tables)[0])
+    assert report.main(["--check", "--docs", *docs]) == 2
+    assert "docs/residency.md: no <!-- bench:residency begin -->" in capsys.readouterr().err
+
+
+def test_the_scripts_renders_import_no_torch_vllm_or_model():
+    code = (
+        "import sys; sys.path.insert(0, 'bench'); import report; "
+        "[make(report.RESULTS) for _, make in report.SCRIPTED.values()]; "
+        "heavy = {'torch', 'vllm', 'transformers', 'safetensors', 'moet'}; "
+        "found = sorted(m for m in sys.modules if m.split('.')[0] in heavy); "
+        "assert not found, found"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize(
