@@ -8,8 +8,8 @@ of the chain: the time a prefix adds over the one before is what its last stage 
 chain's critical path (its own latency plus its launch boundary, with PDL as the loader launches
 it), which the profiler's per-kernel spans cannot say (a PDL-launched kernel's span includes its
 wait). Each prefix is also timed with PDL off; the empty graph (the replay's own cost) is the first
-row. Issue 18: the batch-1 target needs the op
-near 29 us a layer on GLM-4.5-Air's shape, from about 53 in serving.
+row. What the runs say of issue 18's targets: docs/kernels-design.md, "The decode chain, stage by
+stage".
 """
 
 from __future__ import annotations
