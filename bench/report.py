@@ -219,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"bench/report: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # a script's render needs the project's packages
+        print(f"bench/report: error: {e.name} is not installed for {sys.executable}: run "
+              "`nox -s report` (or bench/report.py with .venv/bin/python)", file=sys.stderr)  # fmt: skip
+        return 2
     if args.check and stale:
         print(f"bench/report: {', '.join(stale)}: benchmark tables differ from what the committed "
               "results render: run `nox -s report` and commit", file=sys.stderr)  # fmt: skip
