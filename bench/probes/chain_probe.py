@@ -1,6 +1,7 @@
 """Where a decode step's MoE op spends its time: the launch chain cut after each stage.
 
     python3 bench/probes/chain_probe.py [--shape glm-4.5-air] [--batches 1 8 32] [--out FILE]
+    MOET_NVCC_FLAGS=-DW2_GEMM_BLOCKS=4 python3 bench/probes/chain_probe.py ...  # a build variant
 
 The op (select -> route -> w13 -> requant -> w2 -> combine) is captured in one CUDA graph over 8
 layers of distinct pools (L2 defeated, as bench/kernels.py times it) and replayed, once per prefix
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -121,6 +123,7 @@ def main() -> None:
                     flush=True,
                 )
     result = {"shape": args.shape, "layers_in_graph": len(layers), "rows": rows,
+              "nvcc_flags": os.environ.get("MOET_NVCC_FLAGS", ""),  # an A/B variant's -D flags
               "provenance": kb.provenance([sys.executable, *sys.argv])}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
