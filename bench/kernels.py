@@ -124,6 +124,33 @@ def glm_layers(gen, n_layers=8, scales="trained", tier="w2", shape="glm-5.2") ->
     ]
 
 
+def graph_seconds(step, rounds: int = 5, reps: int = 20) -> tuple:
+    """`step` (CUDA work, run once eagerly, once on a side stream, then captured) as a CUDA
+    graph, replayed: (the graph, the median seconds of a replay over `rounds` rounds of `reps`)."""
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(rounds):
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        st.record()
+        for _ in range(reps):
+            g.replay()
+        en.record()
+        en.synchronize()
+        times.append(st.elapsed_time(en) / 1e3 / reps)
+    return g, sorted(times)[len(times) // 2]
+
+
 def time_batch(layers, n_tok, gen, bw, shape="glm-5.2") -> dict:
     """One CUDA graph over `layers` at `n_tok` tokens (uniform routing), replayed: the median
     time per layer, routed bytes, their share of the copy bandwidth `bw`, and per-kernel spans."""
@@ -142,29 +169,8 @@ def time_batch(layers, n_tok, gen, bw, shape="glm-5.2") -> dict:
         for layer, x, (ids, w) in zip(layers, xs, routes):
             run_op(layer, x, ids, w, nr, miss, routed)
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        step()
-    for _ in range(3):
-        g.replay()
-    reps = 20
-    times = []
-    for _ in range(5):
-        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        st.record()
-        for _ in range(reps):
-            g.replay()
-        en.record()
-        en.synchronize()
-        times.append(st.elapsed_time(en) / 1e3 / (reps * n_layers))
-    t_layer = sorted(times)[len(times) // 2]
+    g, t_step = graph_seconds(step)
+    t_layer = t_step / n_layers
     distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / n_layers
     bytes_routed = distinct * layers[0].expert_bytes()
     # per-kernel split from the profiler over a few replays

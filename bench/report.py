@@ -127,6 +127,7 @@ def script(path: str):
     return module
 
 
+@functools.cache  # the block and the plot read the same run
 def residency_run(results: Path) -> dict:
     """The result of the newest run of the recipe residency-policy (bench/residency.py)."""
     done = runs(results, "residency-policy")

@@ -20,10 +20,10 @@ smaller than 1.15x the largest step (the boot floor's margin) are skipped. Targe
 policy's replay % within 1.5x of Belady's.
 
 Writes bench/results/residency/cpu-<date>.json (through the recipe: a run under
-bench/results/residency-policy/), docs/residency-replay.svg (replay % vs pool size per policy, and
-the traces' coverage curves) and the results table inside docs/residency.md. `render` and `svg`
-make both from a result alone (numpy only: no vLLM, no model); `nox -s report` checks and rewrites
-them from the newest committed run of the recipe residency-policy (bench/report.py).
+bench/results/residency-policy/) and prints the results table. `render` (that table, inside
+docs/residency.md) and `svg` (docs/residency-replay.svg: replay % vs pool size per policy, and the
+traces' coverage curves) make the page's parts from a result alone (numpy only: no vLLM, no
+model); `nox -s report` writes them from the newest committed run of the recipe (bench/report.py).
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ if __name__ == "__main__":  # the simulator's workers: one BLAS thread each (not
 import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "residency.md"
-SVG = ROOT / "docs" / "residency-replay.svg"
 FIXTURE_TRACE = ROOT / "bench" / "out" / "fixture" / "traces" / "test.npy"
 FIXTURE_TOKENS_FILE = ROOT / "bench" / "out" / "fixture" / "corpus" / "test.npy"
 FIXTURE_TOKENS = 16384
@@ -67,7 +65,6 @@ BATCHES = [1, 8]
 HALF_LIVES = [8.0, 32.0, 128.0, 512.0, 2048.0, math.inf]
 PREDICT_THRESHOLDS = [0.05, 0.1, 0.2, 0.3]
 SEED = 0
-BEGIN, END = "<!-- bench:residency begin -->", "<!-- bench:residency end -->"
 # the demand-only policies, then the others
 DEMAND = ("lru", "lfu", "decay", "min", "belady")
 
@@ -470,16 +467,6 @@ def svg(result: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def write_doc_table(text: str) -> None:
-    doc = DOC.read_text()
-    if BEGIN not in doc or END not in doc:
-        sys.exit(f"{DOC} lacks the {BEGIN} ... {END} markers")
-    head, rest = doc.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(head + BEGIN + "\n" + text + END + tail)
-    print(f"wrote the table into {DOC}")
-
-
 def git_commit() -> str:
     try:
         return subprocess.run(
@@ -542,7 +529,6 @@ def main() -> None:
     ap.add_argument(
         "--tune", action="store_true", help="also the half-life sweep and the variants (slow)"
     )
-    ap.add_argument("--no-docs", action="store_true", help="write the JSON only")
     args = ap.parse_args()
     t0 = time.perf_counter()
 
@@ -666,16 +652,10 @@ def main() -> None:
                 f"pairs {s['geomean_rows_vs_min'] or 0:.3f}x; traces {','.join(s['traces'])}"
             )
     result["wall_s"] = time.perf_counter() - t0
-    # the outputs from the result as written, as `nox -s report` renders them from a committed run
-    result = json.loads(write_result("residency", result).read_text())
-    text = render(result)
-    print(text)
+    # the table from the result as written, as `nox -s report` renders it into the page
+    print(render(json.loads(write_result("residency", result).read_text())))
     for k, v in summary.items():
         print(f"summary {k}: {v}")
-    if not args.no_docs:
-        SVG.write_text(svg(result))
-        print(f"wrote {SVG}")
-        write_doc_table(text)
     print(f"wall {result['wall_s']:.1f} s")
 
 

@@ -32,8 +32,9 @@ def stage_of(kernel: str) -> str:
     return next(s for s in STAGES if kernel.startswith(f"moet_{s}"))
 
 
-def timed(layers, logits, xs, n_tok, keep: set, pdl: bool, routing) -> float:
-    """Median µs per layer of one graph over `layers`, launching only the kernels of `keep`."""
+def timed(layers, logits, xs, routes, keep: set, pdl: bool, routing) -> float:
+    """Median µs per layer of one graph over `layers`, launching only the kernels of `keep`;
+    `routes`: each layer's (weights, ids), selected once, so every stage reads real routes."""
     from moet_kernels import loader, ops
 
     mod = loader.load(torch.device("cuda"))
@@ -43,13 +44,13 @@ def timed(layers, logits, xs, n_tok, keep: set, pdl: bool, routing) -> float:
         if stage_of(name) in keep:
             launch(self, name, grid, block, args)
 
+    n_tok = xs[0].shape[0]
     nr = torch.tensor([n_tok], dtype=torch.int32, device="cuda")
     miss = torch.zeros(1, dtype=torch.int32, device="cuda")
     routed = torch.zeros(layers[0].n_experts, dtype=torch.uint8, device="cuda")
-    fixed = [ops.select_experts(lg, routing) for lg in logits]  # every stage reads real routes
 
     def step():
-        for layer, lg, x, (w, ids) in zip(layers, logits, xs, fixed):
+        for layer, lg, x, (w, ids) in zip(layers, logits, xs, routes):
             if "select" in keep:
                 ops.select_experts(lg, routing)
             kb.run_op(layer, x, ids, w, nr, miss, routed)
@@ -58,26 +59,11 @@ def timed(layers, logits, xs, n_tok, keep: set, pdl: bool, routing) -> float:
     if not pdl:
         mod.__dict__["_pdl"] = _no_pdl()
     try:
-        step()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        for _ in range(5):
-            g.replay()
-        times = []
-        for _ in range(7):
-            st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            st.record()
-            for _ in range(20):
-                g.replay()
-            en.record()
-            en.synchronize()
-            times.append(st.elapsed_time(en) * 1e3 / (20 * len(layers)))
+        _, seconds = kb.graph_seconds(step, rounds=7)
     finally:
         type(mod).launch = launch
         mod.__dict__["_pdl"] = attrs
-    return sorted(times)[len(times) // 2]
+    return seconds * 1e6 / len(layers)
 
 
 def _no_pdl():
@@ -108,11 +94,12 @@ def main() -> None:
         ops._workspaces.clear()
         logits = [torch.randn(n_tok, e, device="cuda", generator=gen) for _ in layers]
         xs = [torch.randn(n_tok, h, device="cuda", generator=gen).bfloat16() for _ in layers]
+        routes = [ops.select_experts(lg, routing) for lg in logits]
         for pdl in (True, False):
             prev = None
             for i in range(len(STAGES) + 1):
                 keep = set(STAGES[:i])
-                us = timed(layers, logits, xs, n_tok, keep, pdl, routing)
+                us = timed(layers, logits, xs, routes, keep, pdl, routing)
                 stage = STAGES[i - 1] if i else "(empty graph)"
                 rows.append({"batch": n_tok, "pdl": pdl, "through": stage, "us_per_layer": us,
                              "adds_us": None if prev is None else us - prev})  # fmt: skip

@@ -46,14 +46,12 @@ def weighted_tier(weights: np.ndarray):
 
     def make(*args, **kwargs):
         tier = Fp4Tier(*args, **kwargs)
-        pol = tier.policy
+        pol, plain = tier.policy, tier.policy.observe
 
-        def observe(routed):
+        def observe(routed):  # the policy's own step (decay, +1 a routing), then the weight - 1
+            plain(routed)
             routed = np.asarray(routed, dtype=np.int64).ravel()
-            pol.score *= pol.decay
-            pol.score += np.bincount(routed, weights=weights[routed], minlength=pol.n_keys)
-            pol.last_use[routed] = pol.steps
-            pol.steps += 1
+            pol.score += np.bincount(routed, weights=weights[routed] - 1, minlength=pol.n_keys)
 
         pol.observe = observe
         return tier
@@ -68,6 +66,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--pool", type=float, default=0.25)
     ap.add_argument("--tau", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--token-label", default="", help="what --tokens holds, for the report")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from moet_vllm import gate_eval
@@ -79,7 +78,8 @@ def main() -> None:
         model = fixture()
     tokens = np.load(args.tokens)
     configs = [gate_eval.GateConfig(args.pool, t, "margin") for t in args.tau]
-    opts = gate_eval.SimOptions(max_tokens=args.max_tokens, progress=False)
+    extra = {"token_file": args.token_label or args.tokens.name}
+    opts = gate_eval.SimOptions(max_tokens=args.max_tokens, progress=False, extra=extra)
     w = damage(model)
     report = {"heat": gate_eval.evaluate_gate(model, tokens, configs, opts)}
     plain = gate_eval.Fp4Tier
@@ -89,9 +89,12 @@ def main() -> None:
     finally:
         gate_eval.Fp4Tier = plain
     report["damage_spread"] = {"min": float(w.min()), "max": float(w.max()), "sd": float(w.std())}
-    for rule, r in report.items():
-        if rule == "damage_spread":
-            continue
+    root = Path(__file__).resolve().parents[2]
+    for rule in ("heat", "weighted"):  # the model as the reports name it: no machine path
+        r = report[rule]
+        r["model"] = str(
+            Path(model).relative_to(root) if Path(model).is_relative_to(root) else model
+        )
         for name, row in r["configs"].items():
             print(f"{rule:8s} {name:32s} loss vs bf16 {row['vs_bf16']['mean']:+.4f} "
                   f"agree all-FP4 {row['agreement_fp4']:.3f} gated {row['gated_pct']:.1f}% "
