@@ -8,9 +8,9 @@ trained fixture, re-quantized at load (`--quantization moet`, `fp4_tier=fp4r`), 
 * The gate inside CUDA graphs: a pool of 25% and the gate at a margin of 1 nat, greedy: the gate
   replays steps (a replay of the captured graph) and the pool fills and swaps, and a twin engine
   gives the same tokens and logprobs bit for bit (the gated path is deterministic).
-* Serving equals the harness: in float32, the greedy tokens the kernels serve at batch 1 in CUDA
-  graphs with a fresh 25% pool and the gate equal `gate_eval.simulate_generation`'s in kernel
-  mode (the kernels' arithmetic in torch, on the CPU), over prompts where exact mode's differ.
+
+Serving against the harness in kernel mode is test_gpu_fp4_harness.py (its own process: the three
+engines here fill the file's time budget).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from serving import (
     split_prompt,
 )
 from test_gpu_oracle import DELTA, MIN_AGREEMENT, TOP, against_oracle
-from test_vllm_fp4_tier import KERNEL_PROMPTS, KERNEL_TOKENS, harness_and_served
 
 pytestmark = pytest.mark.gpu
 
@@ -72,17 +71,3 @@ def test_the_gate_replays_captured_steps_deterministically(tmp_path):
     assert counters["fp4_promotions"] > 48 and counters["fp4_evictions"] > 0, counters
     assert counters["fp4_hit_pairs"] > 0, counters
     print(f"gated engine: {counters}")
-
-
-def test_served_tokens_of_the_kernels_equal_the_harness_in_kernel_mode(tmp_path):
-    # float32 (the driver's default): bfloat16's rounding would part vLLM from transformers
-    sim, served = harness_and_served(
-        tmp_path, "kernel", KERNEL_PROMPTS, KERNEL_TOKENS, extra=GPU_DRIVER_FLAGS
-    )
-    assert KERNEL_LINE in served["log"]
-    assert 0 < sim["gated"] < sim["steps"]
-    diverged = [(i, next((j for j, (a, b) in enumerate(zip(s, v)) if a != b), None))
-                for i, (s, v) in enumerate(zip(sim["tokens"], served["tokens"]))]  # fmt: skip
-    print(f"harness (kernel mode) gated {sim['gated']} of {sim['steps']} steps; served counters "
-          f"{served['residency']}; first differing token per prompt {diverged}")  # fmt: skip
-    assert served["tokens"] == sim["tokens"], diverged
