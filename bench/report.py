@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             *sorted((ROOT / "docs").glob("*.md")),
             *sorted((ROOT / "packages").glob("*/README.md")),
         ]
-        docs += [p for p in scripted if p not in {d.resolve() for d in docs}]
+        listed = {d.resolve() for d in docs}
+        docs += [p for p in scripted if p not in listed]
     try:
         tables = figures(args.results)
         stale, found = [], set()

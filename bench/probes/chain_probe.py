@@ -1,7 +1,7 @@
 """Where a decode step's MoE op spends its time: the launch chain cut after each stage.
 
     python3 bench/probes/chain_probe.py [--shape glm-4.5-air] [--batches 1 8 32] [--out FILE]
-    MOET_NVCC_FLAGS=-DW2_GEMM_BLOCKS=4 python3 bench/probes/chain_probe.py ...  # a build variant
+    MOET_NVCC_FLAGS=-DGEMM_BLOCKS=4 python3 bench/probes/chain_probe.py ...  # a build variant
 
 The op (select -> route -> w13 -> requant -> w2 -> combine) is captured in one CUDA graph over 8
 layers of distinct pools (L2 defeated, as bench/kernels.py times it) and replayed, once per prefix

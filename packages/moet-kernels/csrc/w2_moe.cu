@@ -48,13 +48,10 @@ constexpr int ROUTE_THREADS = 256;
 // no spills on any target; on the H200, 4 CTAs with single-buffered chunks, and 4 with chunks
 // staged in shared memory by cp.async, were both slower: docs/kernels.md); FP4 (and NVFP4) 2
 // (twice the code registers per chunk: at 3 its ping-pong spills). Each can be set at build time
-// (-D) for an A/B run (bench/probes/chain_probe.py with MOET_NVCC_FLAGS); W2_GEMM_BLOCKS is the
-// W2 down projection's alone (at batch 1 its work items take two rounds at 3).
+// (-D) for an A/B run (bench/probes/chain_probe.py with MOET_NVCC_FLAGS; w2 alone at 4, which
+// takes batch 1's work items in one round instead of two, was no faster: docs/kernels-design.md).
 #ifndef GEMM_BLOCKS
 #define GEMM_BLOCKS 3
-#endif
-#ifndef W2_GEMM_BLOCKS
-#define W2_GEMM_BLOCKS GEMM_BLOCKS
 #endif
 #ifndef GEMM_BLOCKS_FP4
 #define GEMM_BLOCKS_FP4 2
@@ -1008,7 +1005,7 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
 // Entry points: W2 rows, FP4 rows (fp4r, fp4x-mxfp4) and NVFP4 rows (fp4x-nvfp4) share everything
 // but the chunk type. W2 and FP4 also come for prefill jobs of 16 pairs (suffix _t16: two n-tiles
 // share each decoded fragment); NVFP4 has no such variant (two tiles would spill).
-#define MOET_GEMMS(SUFFIX, K, BLOCKS, W2_BLOCKS)                                                  \
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
       int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
@@ -1016,18 +1013,18 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
     w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
            job_range, job_slot, job_pairs, h, inter_p);                                           \
   }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(THREADS, W2_BLOCKS) moet_w2##SUFFIX(               \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
       const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
       int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
       const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
     w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, job_range, \
           job_slot, job_pairs, y, hidden);                                                        \
   }
-MOET_GEMMS(, Chunk<1>, GEMM_BLOCKS, W2_GEMM_BLOCKS)
-MOET_GEMMS(_fp4, ChunkFp4<1>, GEMM_BLOCKS_FP4, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_nvfp4, Nvfp4Chunk, GEMM_BLOCKS_FP4, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_t16, Chunk<2>, GEMM_BLOCKS_FP4, GEMM_BLOCKS_FP4)
-MOET_GEMMS(_fp4_t16, ChunkFp4<2>, GEMM_BLOCKS_FP4, GEMM_BLOCKS_FP4)
+MOET_GEMMS(, Chunk<1>, GEMM_BLOCKS)
+MOET_GEMMS(_fp4, ChunkFp4<1>, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_nvfp4, Nvfp4Chunk, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_t16, Chunk<2>, GEMM_BLOCKS_FP4)
+MOET_GEMMS(_fp4_t16, ChunkFp4<2>, GEMM_BLOCKS_FP4)
 
 // out[t][h] = sum over slots j = 0..k-1, in that order, of weight[t][j] * y[t*k+j][h], skipping
 // pairs whose expert was not resident (they contribute zero, as in the reference).
