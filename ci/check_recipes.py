@@ -3,8 +3,11 @@
 
 Every ``packages/<dir>/`` must have ``recipe/recipe.yaml`` in rattler-build's v1 format. For each:
 
-* ``package.name`` and ``package.version`` (``${{ var }}`` resolved from ``context``) equal the
-  pyproject's name and version;
+* ``package.name`` equals the pyproject's name (``${{ var }}`` resolved from ``context``);
+* every moet version in the recipe, the package's own and each pin of another moet package, is
+  read from that package's pyproject (``${{ load_from_file("../pyproject.toml").project.version }}``,
+  rattler-build ``--experimental``; the path is relative to the recipe's folder), never a literal:
+  a pyproject is the one place a version is written;
 * ``source.path`` points at the package folder;
 * ``requirements.run`` equals the pyproject ``dependencies``, with conda names (``torch`` is
   ``pytorch``; others keep their names) and specifiers compared after normalization
@@ -47,6 +50,10 @@ META = "moet"
 CONDA_NAMES = {"torch": "pytorch"}
 NATIVE_BACKENDS = {"scikit_build_core.build"}
 EXPR = re.compile(r"\$\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+# rattler-build's load_from_file(PATH).KEY.KEY: a value read from a TOML file beside the recipe.
+FILE_EXPR = re.compile(
+    r"\$\{\{\s*load_from_file\(\s*[\"']([^\"']+)[\"']\s*\)((?:\.[A-Za-z_][\w-]*)+)\s*\}\}"
+)
 ANY_EXPR = re.compile(r"\$\{\{.*?\}\}")
 CONDA_SPEC = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(.*?)\s*$")
 
@@ -55,17 +62,45 @@ class RecipeError(Exception):
     pass
 
 
-def resolve(value: object, context: dict[str, str], where: str) -> str:
-    """Substitutes `${{ var }}` from the recipe context; any other expression is an error."""
+def resolve(value: object, context: dict[str, str], where: str, base: Path) -> str:
+    """Substitutes `${{ var }}` from the recipe context and `${{ load_from_file("f.toml").a.b }}`
+    from a TOML file relative to `base` (the recipe's folder); any other expression is an error."""
     text = str(value)
     for _ in range(5):  # context entries may refer to each other
-        new = EXPR.sub(lambda m: _lookup(m.group(1), context, where), text)
+        new = FILE_EXPR.sub(lambda m: _read_toml(m.group(1), m.group(2), base, where), text)
+        new = EXPR.sub(lambda m: _lookup(m.group(1), context, where), new)
         if new == text:
             break
         text = new
     if ANY_EXPR.search(text):
-        raise RecipeError(f"{where}: cannot resolve {text!r} (only `${{{{ var }}}}` from context)")
+        raise RecipeError(
+            f"{where}: cannot resolve {text!r} (only `${{{{ var }}}}` from context and "
+            '`${{ load_from_file("x.toml").key }}`)'
+        )
     return text
+
+
+def _read_toml(path: str, keys: str, base: Path, where: str) -> str:
+    file = base / path
+    try:
+        here = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RecipeError(f"{where}: load_from_file({path!r}): {exc}") from None
+    for key in keys.strip(".").split("."):
+        if not isinstance(here, dict) or key not in here:
+            raise RecipeError(f"{where}: load_from_file({path!r}){keys}: no {key!r} in {file.name}")
+        here = here[key]
+    return str(here)
+
+
+def reads_version_of(raw: object, package: Path, base: Path) -> bool:
+    """Whether a recipe value takes its version from `package`'s pyproject (load_from_file), so
+    that no version literal needs reconciling."""
+    return any(
+        (base / m.group(1)).resolve() == (package / "pyproject.toml").resolve()
+        and m.group(2) == ".project.version"
+        for m in FILE_EXPR.finditer(str(raw))
+    )
 
 
 def _lookup(var: str, context: dict[str, str], where: str) -> str:
@@ -163,12 +198,21 @@ def check(folder: Path, root: Path) -> tuple[list[str], list[str]]:
     context = {str(k): str(v) for k, v in (doc.get("context") or {}).items()}
     package = doc.get("package") or {}
 
+    base = recipe.parent
     # name and version
-    r_name = guard(resolve, package.get("name", ""), context, f"{rel}: package.name")
-    r_version = guard(resolve, package.get("version", ""), context, f"{rel}: package.version")
+    r_name = guard(resolve, package.get("name", ""), context, f"{rel}: package.name", base)
+    r_version = guard(resolve, package.get("version", ""), context, f"{rel}: package.version", base)
     if r_name is not None and canonicalize_name(r_name) != name:
         errors.append(f"{rel}: package.name is {r_name!r} but {rel_py} says {name!r}")
-    if r_version is not None and r_version != version:
+    raw_version = EXPR.sub(
+        lambda m: context.get(m.group(1), m.group(0)), str(package.get("version"))
+    )
+    if not reads_version_of(raw_version, folder, base):
+        errors.append(
+            f"{rel}: package.version must be read from {rel_py}, not written again: "
+            '`${{ load_from_file("../pyproject.toml").project.version }}`'
+        )
+    elif r_version is not None and r_version != version:
         errors.append(f"{rel}: package.version is {r_version!r} but {rel_py} says {version!r}")
 
     # source
@@ -204,12 +248,20 @@ def check(folder: Path, root: Path) -> tuple[list[str], list[str]]:
     where_run = f"{rel}: requirements.run"
     run: dict[str, str] = {}
     for entry in guard(string_list, reqs.get("run"), where_run) or []:
-        resolved = guard(resolve, entry, context, where_run)
+        resolved = guard(resolve, entry, context, where_run, base)
         parsed = guard(parse_conda, resolved, where_run) if resolved is not None else None
         if parsed:
             if parsed[0] in run:
                 errors.append(f"{where_run}: {parsed[0]} is listed twice")
             run[parsed[0]] = parsed[1]
+            sibling = root / "packages" / parsed[0]
+            pinned = parsed[1] and (sibling / "pyproject.toml").is_file()
+            if pinned and not reads_version_of(entry, sibling, base):
+                errors.append(
+                    f"{where_run}: the pin {entry!r} must read {parsed[0]}'s version from its "
+                    f'pyproject: `${{{{ load_from_file("../../{parsed[0]}/pyproject.toml")'
+                    ".project.version }}`"
+                )
     want: dict[str, str] = {}
     for raw in project.get("dependencies", []):
         try:
