@@ -50,10 +50,15 @@ class Act(enum.Enum):
     GELU = "gelu"
 
 
-def make_layer(kind: str, rng: np.random.Generator, top_k: int = 4, **over) -> SimpleNamespace:
+class Layer(SimpleNamespace):
+    """What apply_monolithic reads of a vLLM MoE layer (weakly referable, as a module is: the
+    reference op finds its layer by name through a weak reference)."""
+
+
+def make_layer(kind: str, rng: np.random.Generator, top_k: int = 4, **over) -> Layer:
     attrs = dict(ROUTINGS[kind])
     bias = attrs.pop("bias", False)
-    layer = SimpleNamespace(
+    layer = Layer(
         layer_name=f"model.layers.1.mlp.experts[{kind}]",
         moe_config=SimpleNamespace(activation=Act.SILU, has_hash_routing=False, has_bias=False),
         top_k=top_k,

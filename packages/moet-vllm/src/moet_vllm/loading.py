@@ -51,11 +51,15 @@ class MoetLoadSession:
         self.cfg, self.native, self.device = cfg, native, device
         self.source = ExpertSource.open(model_path, cfg, tp_rank, tp_size)
         self.layout = self.source.row_layout(native)
+        # a pipeline stage builds, packs and serves only its own decoder layers' experts
+        pp_rank, stage = compat.pipeline_stage(self.source.n_hidden_layers)
+        self.packed = [m for m in self.source.moe_layers if stage is None or m in stage]
 
         def cache(layout) -> ExpertPackCache:
             return ExpertPackCache(
-                cfg, self.source.ckpt_id, layout, n_layers=len(self.source.moe_layers),
+                cfg, self.source.ckpt_id, layout, n_layers=len(self.packed),
                 n_experts=self.source.n_experts, tp_rank=tp_rank, tp_size=tp_size,
+                pp_rank=pp_rank, stage=None if stage is None else self.packed,
             )  # fmt: skip
 
         self.cache = cache(self.layout)
@@ -68,17 +72,20 @@ class MoetLoadSession:
         self.mtp_layers = self.source.mtp_layers if drafts else []
         unserved = [] if drafts else self.source.mtp_layers
         # the MoE layers this engine serves, in pack order (MTP layers come last)
-        self.moe_layers = [m for m in self.source.moe_layers if m not in unserved]
+        self.moe_layers = [m for m in self.packed if m not in unserved]
         self.pending = set(self.moe_layers)
         self.from_pack = self.quantized = 0
         self.seconds = self.pack_seconds = 0.0
         log.info(
-            "moet: experts of %s: %s (%s, %d MoE layers x %d experts%s); %s rows; pack cache %s",
+            "moet: experts of %s: %s (%s, %d MoE layers x %d experts%s%s); %s rows; pack cache %s",
             model_path,
             self.source.kind,
             self.source.source_format,
             len(self.moe_layers),
             self.source.n_experts,
+            ""
+            if stage is None
+            else f" in pipeline stage {pp_rank}: layers {stage.start}-{stage.stop - 1}",
             f"; MTP layer(s) {unserved} unused: no MTP drafter" if unserved else "",
             "kernel-native" if native else "logical",
             self.cache.reason,
@@ -90,7 +97,7 @@ class MoetLoadSession:
         for logical ones. With `keep=False` (tiered residency) the layer only has to reach the
         packs: a cached layer is not read back, and None is returned."""
         t0 = time.perf_counter()
-        ordinal = self.source.moe_layers.index(model_layer)
+        ordinal = self.packed.index(model_layer)
         if keep:
             rows = self.cache.read_rows(ordinal)
             cached = rows is not None

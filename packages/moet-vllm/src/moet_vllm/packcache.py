@@ -45,7 +45,10 @@ class ExpertPackCache:
         tp_rank: int = 0,
         tp_size: int = 1,
         pp_rank: int = 0,
+        stage: list[int] | None = None,
     ):
+        """`stage`: under pipeline parallelism, the model layers of this stage's MoE layers (the
+        pack's rows, in order): part of the identity, so another split rebuilds the pack."""
         self.layout = layout  # its tier's tag names the pack (design.md, Pack files)
         self.directory = Path(cfg.cache_dir) if cfg.cache_dir else moet_store.default_cache_dir()
         identity = {
@@ -55,6 +58,8 @@ class ExpertPackCache:
             "mode": cfg.mode,
             "tp_size": tp_size,
         }
+        if stage is not None:
+            identity["pp_stage_layers"] = list(stage)
         self.spec = moet_store.PackSpec(
             layout.tier.tag, tp_rank, pp_rank, n_layers, n_experts, layout.row_bytes, identity
         )
