@@ -9,7 +9,8 @@ vLLM's Prometheus endpoint lives in the API server process; moet's counters live
 2. Each worker's residency manager writes its counters there (`rank<r>.json`, atomically, at most
    once a second and at every KPI line).
 3. A Prometheus collector registered in that first process reads the files at scrape time and
-   exposes `moet_*` metrics, labelled by TP rank.
+   exposes `moet_*` metrics, labelled by the worker's rank (TP rank + TP size x pipeline
+   stage; the sum over workers is PromQL's `sum without (rank) (...)`).
 
 The same directory carries runtime tuning the other way: `moet tune KEY=VALUE` writes
 `tune.json` there, and each worker applies it (validated as at boot) within a second.
