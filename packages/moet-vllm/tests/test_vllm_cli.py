@@ -94,6 +94,10 @@ def test_info_for_official_and_moet_checkpoints(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "re-quantized at load (bf16)" in out and "0/2 layers cached" in out
     assert "w2-ue8m0b32-v1+logical-v0+rows-a256[" in out
+    assert cli.main(["info", str(src), "--pp", "2"]) == 0  # a pack per pipeline stage
+    out = capsys.readouterr().out
+    assert "stage 0: MoE layers [0])" in out and "stage 1: MoE layers [1])" in out
+    assert out.count("0/1 layers cached") == 2
     assert cli.main(["info", str(tmp_path / "moet")]) == 0
     out = capsys.readouterr().out
     assert "moet checkpoint" in out and "pack cache" not in out

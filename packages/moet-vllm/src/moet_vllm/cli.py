@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("model", help="checkpoint directory")
     info.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    info.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     info.set_defaults(func=run_info)
     doctor = sub.add_parser(
         "doctor",
@@ -248,14 +249,24 @@ def run_info(args: argparse.Namespace) -> int:
             ("zero_mode / mode", f"{cfg.zero_mode} / {cfg.mode}"),
         ]
         if src.kind != "moet checkpoint":
-            cache = ExpertPackCache(cfg, src.ckpt_id, lay, n_layers, e, tp_size=args.tp)
-            cached = len(cache.cached_layers())
-            rows.append(
-                (
-                    "pack cache (rank 0)",
-                    f"{cache.reason}; {cached}/{n_layers} layers cached in {cache.directory}",
+            for pp_rank in range(args.pp):  # each stage packs its own layers (docs/vllm.md)
+                stage = None
+                if args.pp > 1:
+                    span = compat.stage_layers(src.n_hidden_layers, pp_rank, args.pp)
+                    stage = [m for m in src.moe_layers if m in span]
+                packed = len(src.moe_layers) if stage is None else len(stage)
+                cache = ExpertPackCache(
+                    cfg, src.ckpt_id, lay, packed, e, tp_size=args.tp, pp_rank=pp_rank,
+                    stage=stage,
+                )  # fmt: skip
+                cached = len(cache.cached_layers())
+                where = "" if stage is None else f", stage {pp_rank}: MoE layers {stage}"
+                rows.append(
+                    (
+                        f"pack cache (TP rank 0{where})",
+                        f"{cache.reason}; {cached}/{packed} layers cached in {cache.directory}",
+                    )
                 )
-            )
     finally:
         src.close()
     width = max(len(k) for k, _ in rows)

@@ -455,15 +455,20 @@ def pipeline_stage(n_hidden_layers: int | None) -> tuple[int, range | None]:
     """(this worker's pipeline rank, the decoder layers its stage builds: vLLM's own split,
     `get_pp_indices`), or (0, None) without pipeline parallelism."""
     from vllm.distributed import get_pp_group, model_parallel_is_initialized
-    from vllm.distributed.utils import get_pp_indices
 
     if not model_parallel_is_initialized() or n_hidden_layers is None:
         return 0, None  # outside an engine's worker (a tool or test building a session)
     pp = get_pp_group()
     if pp.world_size == 1:
         return 0, None
-    start, end = get_pp_indices(n_hidden_layers, pp.rank_in_group, pp.world_size)
-    return pp.rank_in_group, range(start, end)
+    return pp.rank_in_group, stage_layers(n_hidden_layers, pp.rank_in_group, pp.world_size)
+
+
+def stage_layers(n_hidden_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The decoder layers vLLM builds on pipeline stage `pp_rank` of `pp_size`."""
+    from vllm.distributed.utils import get_pp_indices
+
+    return range(*get_pp_indices(n_hidden_layers, pp_rank, pp_size))
 
 
 def worker_rank() -> int:
