@@ -252,15 +252,10 @@ def run_info(args: argparse.Namespace) -> int:
             for pp_rank in range(args.pp):  # each stage packs its own layers (docs/vllm.md)
                 stage = None
                 if args.pp > 1:
-                    span = compat.stage_layers(src.n_hidden_layers, pp_rank, args.pp)
-                    stage = [m for m in src.moe_layers if m in span]
-                packed = len(src.moe_layers) if stage is None else len(stage)
-                cache = ExpertPackCache(
-                    cfg, src.ckpt_id, lay, packed, e, tp_size=args.tp, pp_rank=pp_rank,
-                    stage=stage,
-                )  # fmt: skip
-                cached = len(cache.cached_layers())
-                where = "" if stage is None else f", stage {pp_rank}: MoE layers {stage}"
+                    stage = compat.stage_layers(src.n_hidden_layers, pp_rank, args.pp)
+                cache = ExpertPackCache.of_rank(cfg, src, lay, 0, args.tp, pp_rank, stage)
+                cached, packed = len(cache.cached_layers()), len(cache.layers)
+                where = "" if stage is None else f", stage {pp_rank}: MoE layers {cache.layers}"
                 rows.append(
                     (
                         f"pack cache (TP rank 0{where})",

@@ -53,16 +53,14 @@ class MoetLoadSession:
         self.layout = self.source.row_layout(native)
         # a pipeline stage builds, packs and serves only its own decoder layers' experts
         pp_rank, stage = compat.pipeline_stage(self.source.n_hidden_layers)
-        self.packed = [m for m in self.source.moe_layers if stage is None or m in stage]
 
         def cache(layout) -> ExpertPackCache:
-            return ExpertPackCache(
-                cfg, self.source.ckpt_id, layout, n_layers=len(self.packed),
-                n_experts=self.source.n_experts, tp_rank=tp_rank, tp_size=tp_size,
-                pp_rank=pp_rank, stage=None if stage is None else self.packed,
-            )  # fmt: skip
+            return ExpertPackCache.of_rank(
+                cfg, self.source, layout, tp_rank, tp_size, pp_rank, stage
+            )
 
         self.cache = cache(self.layout)
+        self.packed = self.cache.layers  # the model layer of each pack row
         self.fp4_layout = (
             self.source.row_layout(native, self.source.fp4_kind) if cfg.serves_fp4 else None
         )

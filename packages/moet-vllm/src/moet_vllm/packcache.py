@@ -72,6 +72,23 @@ class ExpertPackCache:
         self._writer: moet_store.PackWriter | None = None
         self._store: moet_store.Store | None = None
         self._cached: set[int] | None = None
+        self.layers: list[int] | None = None  # the model layer of each row (`of_rank`)
+
+    @classmethod
+    def of_rank(
+        cls, cfg: MoetConfig, source, layout, tp_rank: int, tp_size: int, pp_rank: int = 0,
+        stage: range | None = None,
+    ) -> ExpertPackCache:  # fmt: skip
+        """The pack of one (TP, PP) rank of `source`'s experts. Under pipeline parallelism
+        (`stage`: the decoder layers vLLM builds on the stage) it holds only the stage's MoE
+        layers; `layers` are the model layers of its rows, in order."""
+        layers = [m for m in source.moe_layers if stage is None or m in stage]
+        cache = cls(
+            cfg, source.ckpt_id, layout, len(layers), source.n_experts, tp_rank, tp_size, pp_rank,
+            stage=None if stage is None else layers,
+        )  # fmt: skip
+        cache.layers = layers
+        return cache
 
     def _disable(self, why: str) -> None:
         if self.enabled:
