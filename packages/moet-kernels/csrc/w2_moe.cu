@@ -579,6 +579,56 @@ __device__ int block_exclusive_scan(int v, int* total, int* warp_sums) {
   return warp_sums[warp] + incl - v;
 }
 
+// Block 0 for one token (a decode step of one sequence) whose top_k <= 32 picks are distinct
+// experts: each resident pick is its own job, so warp 0 writes route's lists with shuffles and
+// ballots, without the counting sort's block-wide passes and scans (same lists: jobs by tier,
+// then by expert; the same flags, mask and miss count). Every warp of block 0 reads the picks and
+// decides alike, so the block takes one path without a barrier; false: the general path runs.
+__device__ __forceinline__ bool route_one_token(const int* ids, int top_k, const int* slot_table,
+                                                const int* fp4_slot_table,
+                                                const int* host_slot_table, int n_experts,
+                                                const int* n_real, int* miss_count, uint8_t* routed,
+                                                int job_shift, int* n_jobs, int* job_slot,
+                                                int* job_pairs, uint8_t* pair_ok) {
+  const unsigned all = 0xffffffffu;
+  const int lane = threadIdx.x & 31, p = lane;
+  const int raw = p < top_k ? ids[p] : -1;
+  const int e = raw >= 0 && raw < n_experts ? raw : -1;
+  if (!__all_sync(all, e < 0 || __popc(__match_any_sync(all, e)) == 1)) return false;
+  if (threadIdx.x >= 32) return true;
+  int tier = 3, slot = -1;  // tier 3: no tier holds it (a miss)
+  if (e >= 0) {
+    const int s4 = fp4_slot_table ? fp4_slot_table[e] : -1, s2 = slot_table[e];
+    const int sh = host_slot_table ? host_slot_table[e] : -1;
+    tier = s4 >= 0 ? 0 : s2 >= 0 ? 1 : sh >= 0 ? 2 : 3;
+    slot = s4 >= 0 ? s4 : s2 >= 0 ? s2 : sh;
+  }
+  const bool ok = tier < 3;
+  const int key = ok ? tier * MAX_EXPERTS + e : 3 * MAX_EXPERTS;  // (tier, expert) order
+  int job = 0;  // the resident picks before this one in that order
+  for (int q = 0; q < top_k; ++q) job += __shfl_sync(all, key, q) < key;
+  if (ok) {
+    const int job_tok = 1 << job_shift;
+    job_slot[job] = slot;
+    job_pairs[job << job_shift] = p;
+    for (int i = 1; i < job_tok; ++i) job_pairs[(job << job_shift) + i] = -1;
+  }
+  if (p < top_k) pair_ok[p] = ok;
+  const bool real = p < min(*n_real, 1) * top_k && e >= 0;
+  if (real) routed[e] = 1;
+  const int misses = __popc(__ballot_sync(all, real && !ok));
+  const int t0 = __popc(__ballot_sync(all, tier == 0)), t1 = __popc(__ballot_sync(all, tier == 1));
+  const int t2 = __popc(__ballot_sync(all, tier == 2));
+  if (lane == 0) {
+    n_jobs[0] = 0;
+    n_jobs[1] = t0;
+    n_jobs[2] = t0 + t1;
+    n_jobs[3] = t0 + t1 + t2;
+    if (misses > 0) atomicAdd(miss_count, misses);
+  }
+  return true;
+}
+
 // Block 0: per-expert job lists (pairs of one resident expert in increasing pair order, 2^job_shift
 // per job: 8, or 16 for prefill), pair flags, the miss counter and the routed mask. Blocks 1..:
 // activation quantization. Up to three tiers, by preference: the FP4 pool (fp4_slot_table
@@ -601,6 +651,13 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS_R = ROUTE_THREADS / 32;
   if (blockIdx.x == 0) {
+#ifndef MOET_ROUTE_GENERAL_ONLY  // A/B: the counting sort at every batch (the chain probe's
+                                 // baseline)
+    if (n_tok == 1 && top_k <= 32 &&
+        route_one_token(ids, top_k, slot_table, fp4_slot_table, host_slot_table, n_experts, n_real,
+                        miss_count, routed, job_shift, n_jobs, job_slot, job_pairs, pair_ok))
+      return;
+#endif
     constexpr int TIERS = 3;                 // FP4, device, host
     __shared__ int s_slot[MAX_EXPERTS];      // the chosen tier's slot, -1: not resident
     __shared__ uint8_t s_tier[MAX_EXPERTS];  // the chosen tier
