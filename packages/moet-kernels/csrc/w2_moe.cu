@@ -594,7 +594,8 @@ __device__ __forceinline__ bool route_one_token(const int* ids, int top_k, const
   const int lane = threadIdx.x & 31, p = lane;
   const int raw = p < top_k ? ids[p] : -1;
   const int e = raw >= 0 && raw < n_experts ? raw : -1;
-  if (!__all_sync(all, e < 0 || __popc(__match_any_sync(all, e)) == 1)) return false;
+  const unsigned same = __match_any_sync(all, e);  // every lane: the mask names all 32
+  if (!__all_sync(all, e < 0 || __popc(same) == 1)) return false;
   if (threadIdx.x >= 32) return true;
   int tier = 3, slot = -1;  // tier 3: no tier holds it (a miss)
   if (e >= 0) {
