@@ -1,6 +1,7 @@
 """Where a decode step's MoE op spends its time: the launch chain cut after each stage.
 
-    python3 bench/probes/chain_probe.py [--shape glm-4.5-air] [--batches 1 8 32] [--out FILE]
+    python3 bench/probes/chain_probe.py [--shape glm-4.5-air] [--batches 1 8 32] [--pdl both|on]
+        [--out FILE]
     MOET_NVCC_FLAGS=-DGEMM_BLOCKS=4 python3 bench/probes/chain_probe.py ...  # a build variant
 
 The op (select -> route -> w13 -> requant -> w2 -> combine) is captured in one CUDA graph over 8
@@ -79,6 +80,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="glm-4.5-air", choices=sorted(kb.SHAPES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--pdl", default="both", choices=["both", "on"],
+                    help="on: time the chain with PDL only (half the run, for an A/B of builds)")
     ap.add_argument("--out")
     args = ap.parse_args()
     kb.build_cubin()
@@ -95,7 +98,7 @@ def main() -> None:
         logits = [torch.randn(n_tok, e, device="cuda", generator=gen) for _ in layers]
         xs = [torch.randn(n_tok, h, device="cuda", generator=gen).bfloat16() for _ in layers]
         routes = [ops.select_experts(lg, routing) for lg in logits]
-        for pdl in (True, False):
+        for pdl in (True, False) if args.pdl == "both" else (True,):
             prev = None
             for i in range(len(STAGES) + 1):
                 keep = set(STAGES[:i])
