@@ -652,13 +652,10 @@ __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int WARPS_R = ROUTE_THREADS / 32;
   if (blockIdx.x == 0) {
-#ifndef MOET_ROUTE_GENERAL_ONLY  // A/B: the counting sort at every batch (the chain probe's
-                                 // baseline)
     if (n_tok == 1 && top_k <= 32 &&
         route_one_token(ids, top_k, slot_table, fp4_slot_table, host_slot_table, n_experts, n_real,
                         miss_count, routed, job_shift, n_jobs, job_slot, job_pairs, pair_ok))
       return;
-#endif
     constexpr int TIERS = 3;                 // FP4, device, host
     __shared__ int s_slot[MAX_EXPERTS];      // the chosen tier's slot, -1: not resident
     __shared__ uint8_t s_tier[MAX_EXPERTS];  // the chosen tier
