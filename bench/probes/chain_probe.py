@@ -80,8 +80,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="glm-4.5-air", choices=sorted(kb.SHAPES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--pdl", default="both", choices=["both", "on"],
-                    help="on: time the chain with PDL only (half the run, for an A/B of builds)")
+    ap.add_argument(
+        "--pdl",
+        default="both",
+        choices=["both", "on"],
+        help="on: time the chain with PDL only (half the run, for an A/B of builds)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     kb.build_cubin()
