@@ -34,7 +34,8 @@ method, every expert resident as W2 rows, dense bf16; its config carries a moet
 `quantization_config`, so no expert tensor is read from disk), `moet-fp8` (the same, as served
 from an official FP8 checkpoint: dense layers keep the checkpoint's precision, here the e4m3
 blocks of 128 x 128 of Qwen3-235B-A22B-FP8 and DeepSeek-V3, run by vLLM's own FP8 method through
-moet's `source_quantization_config`; `fp8_block_qc`). No checkpoint exists:
+moet's `source_quantization_config`; `fp8_block_qc`; the run stops unless `Fp8LinearMethod` is
+among the engine's `dense_methods`). No checkpoint exists:
 the model directory is the shape's config.json, and every weight is made at load by one benchmark
 path for all engines, the model loader of bench/serving_gpu_engine.py (vLLM's dummy weights, then
 the routing design, then moet's synthetic W2 experts; see that module's doc for how the routing is
@@ -394,6 +395,11 @@ def run(args) -> Path:
     d = design(spec, n_moe)
     if info["design_digest"] != d.digest():
         raise SystemExit("the engine's routing design differs from the driver's (digest)")
+    if args.engine == "moet-fp8" and "Fp8LinearMethod" not in info["dense_methods"]:
+        raise SystemExit(
+            f"moet-fp8: its dense layers run {info['dense_methods']}, not vLLM's FP8 method "
+            "(Fp8LinearMethod): the run would measure another engine"
+        )
     if n_moe != geo["moe_layers"]:
         print(f"note: the engine has {n_moe} MoE layers, the config suggests {geo['moe_layers']}")
     print(f"{args.engine}: booted in {boot:.1f} s; {json.dumps(info)}", flush=True)

@@ -535,7 +535,13 @@ class BenchWorker:
                 embed += n
             else:
                 dense += n
+        from vllm.model_executor.layers.linear import LinearBase
+
+        dense_methods = {  # how the dense projections run (routers included)
+            type(m.quant_method).__name__ for m in model.modules() if isinstance(m, LinearBase)
+        }
         out.update(
+            dense_methods=sorted(dense_methods),
             routed_bytes=routed,
             expert_bytes_per_layer=per_layer_expert_bytes,
             dense_bytes=dense,
