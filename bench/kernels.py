@@ -68,21 +68,35 @@ VLLM_US = {
 }
 
 
-def build_cubin() -> None:
-    if os.environ.get("MOET_KERNELS_CUBIN_DIR"):
-        return
+def nvcc_cubin(flags: str) -> tuple[subprocess.Popen, Path]:
+    """Starts nvcc on csrc/w2_moe.cu for this GPU with extra `flags` (-D ...), into a new folder:
+    (the process, the folder), which `wait_cubin` finishes. Several can compile side by side."""
     out = Path(tempfile.mkdtemp(prefix="moet-cubins-"))
     major, minor = torch.cuda.get_device_capability()
     arch = {(9, 0): "90a", (10, 0): "100a", (12, 0): "120a"}[(major, minor)]
     src = ROOT / "packages" / "moet-kernels" / "csrc" / "w2_moe.cu"
     cmd = ["nvcc", "-cubin", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas",
-           "-v", *os.environ.get("MOET_NVCC_FLAGS", "").split(), "-o",
-           str(out / f"w2_moe.sm_{arch}.cubin"), str(src)]  # fmt: skip
+           "-v", *flags.split(), "-o", str(out / f"w2_moe.sm_{arch}.cubin"), str(src)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out
+
+
+def wait_cubin(job: tuple[subprocess.Popen, Path]) -> Path:
+    """The folder of a cubin `nvcc_cubin` started; exits with nvcc's errors if it failed."""
+    proc, out = job
+    _, err = proc.communicate()
+    if proc.returncode:
+        sys.exit(f"nvcc failed:\n{err}")
+    return out
+
+
+def build_cubin() -> None:
+    """The cubin of this checkout (with $MOET_NVCC_FLAGS) for the loader, unless
+    MOET_KERNELS_CUBIN_DIR already names built ones."""
+    if os.environ.get("MOET_KERNELS_CUBIN_DIR"):
+        return
     t0 = time.time()
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        sys.exit(f"nvcc failed:\n{r.stderr}")
-    print(f"built sm_{arch} cubin in {time.time() - t0:.1f} s")
+    out = wait_cubin(nvcc_cubin(os.environ.get("MOET_NVCC_FLAGS", "")))
+    print(f"built the cubin in {time.time() - t0:.1f} s")
     os.environ["MOET_KERNELS_CUBIN_DIR"] = str(out)
 
 

@@ -3,6 +3,9 @@
     python3 bench/probes/chain_probe.py [--shape glm-4.5-air] [--batches 1 8 32] [--pdl both|on]
         [--out FILE]
     MOET_NVCC_FLAGS=-DGEMM_BLOCKS=4 python3 bench/probes/chain_probe.py ...  # a build variant
+    python3 bench/probes/chain_probe.py --variant base= --variant b4=-DGEMM_BLOCKS=4 [--rounds 3]
+        # an A/B: every variant built here (nvcc side by side), timed in turn on the same layers,
+        # in rounds of alternating order; the JSON's `variants` has each one's median per stage
 
 The op (select -> route -> w13 -> requant -> w2 -> combine) is captured in one CUDA graph over 8
 layers of distinct pools (L2 defeated, as bench/kernels.py times it) and replayed, once per prefix
@@ -76,6 +79,21 @@ def _no_pdl():
     return attr
 
 
+def medians(rows: list[dict]) -> dict:
+    """(variant, batch, pdl) -> each stage's median over the rounds: the prefix through it (µs a
+    layer; 'combine' is the whole op) and what it adds ('<stage> adds')."""
+    from statistics import median
+
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        if r["adds_us"] is None:
+            continue
+        key = (r["variant"], r["batch"], r["pdl"])
+        out.setdefault(key, {}).setdefault(r["through"], []).append(r["us_per_layer"])
+        out[key].setdefault(f"{r['through']} adds", []).append(r["adds_us"])
+    return {k: {s: median(v) for s, v in stages.items()} for k, stages in out.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="glm-4.5-air", choices=sorted(kb.SHAPES))
@@ -86,10 +104,27 @@ def main() -> None:
         choices=["both", "on"],
         help="on: time the chain with PDL only (half the run, for an A/B of builds)",
     )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a build of this checkout with nvcc FLAGS (-D ...), for an A/B in one process",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="--variant: rounds over the variants")
     ap.add_argument("--out")
     args = ap.parse_args()
-    kb.build_cubin()
-    from moet_kernels import ops
+    variants = dict(v.partition("=")[::2] for v in args.variant)
+    if variants:  # built side by side; each round times them all, the order alternating
+        jobs = {name: kb.nvcc_cubin(flags) for name, flags in variants.items()}
+        folders = {name: kb.wait_cubin(job) for name, job in jobs.items()}
+        os.environ["MOET_KERNELS_CUBIN_DIR"] = str(next(iter(folders.values())))
+        names = list(variants)
+        plan = [(r, v) for r in range(args.rounds) for v in (names if r % 2 == 0 else names[::-1])]
+    else:
+        kb.build_cubin()
+        plan = [(0, None)]
+    from moet_kernels import loader, ops
     from moet_kernels.reference import Routing
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -102,23 +137,41 @@ def main() -> None:
         logits = [torch.randn(n_tok, e, device="cuda", generator=gen) for _ in layers]
         xs = [torch.randn(n_tok, h, device="cuda", generator=gen).bfloat16() for _ in layers]
         routes = [ops.select_experts(lg, routing) for lg in logits]
-        for pdl in (True, False) if args.pdl == "both" else (True,):
-            prev = None
-            for i in range(len(STAGES) + 1):
-                keep = set(STAGES[:i])
-                us = timed(layers, logits, xs, routes, keep, pdl, routing)
-                stage = STAGES[i - 1] if i else "(empty graph)"
-                rows.append({"batch": n_tok, "pdl": pdl, "through": stage, "us_per_layer": us,
-                             "adds_us": None if prev is None else us - prev})  # fmt: skip
-                prev = us
-                print(
-                    f"T={n_tok:3d} pdl={int(pdl)} through {stage:14s} {us:7.2f} us/layer"
-                    + ("" if i == 0 else f"  (+{rows[-1]['adds_us']:.2f})"),
-                    flush=True,
-                )
+        for rnd, variant in plan:
+            if variant is not None:  # the loader loads this variant's cubin at its next use
+                os.environ["MOET_KERNELS_CUBIN_DIR"] = str(folders[variant])
+                loader._modules.clear()
+            tag = {} if variant is None else {"variant": variant, "round": rnd}
+            for pdl in (True, False) if args.pdl == "both" else (True,):
+                prev = None
+                for i in range(len(STAGES) + 1):
+                    keep = set(STAGES[:i])
+                    us = timed(layers, logits, xs, routes, keep, pdl, routing)
+                    stage = STAGES[i - 1] if i else "(empty graph)"
+                    rows.append({**tag, "batch": n_tok, "pdl": pdl, "through": stage,
+                                 "us_per_layer": us,
+                                 "adds_us": None if prev is None else us - prev})  # fmt: skip
+                    prev = us
+                    print(
+                        ("" if variant is None else f"{variant} r{rnd} ")
+                        + f"T={n_tok:3d} pdl={int(pdl)} through {stage:14s} {us:7.2f} us/layer"
+                        + ("" if i == 0 else f"  (+{rows[-1]['adds_us']:.2f})"),
+                        flush=True,
+                    )
     result = {"shape": args.shape, "layers_in_graph": len(layers), "rows": rows,
-              "nvcc_flags": os.environ.get("MOET_NVCC_FLAGS", ""),  # an A/B variant's -D flags
+              "nvcc_flags": os.environ.get("MOET_NVCC_FLAGS", ""),  # a build variant's -D flags
               "provenance": kb.provenance([sys.executable, *sys.argv])}  # fmt: skip
+    if variants:
+        result["nvcc_flags"] = variants
+        result["variants"] = medians(rows)
+        for (name, batch, pdl), stages in result["variants"].items():
+            print(
+                f"{name} T={batch} pdl={int(pdl)}: op {stages['combine']:.2f} us/layer; adds "
+                + ", ".join(f"{s} {stages[s + ' adds']:.2f}" for s in STAGES),
+                flush=True,
+            )
+        result["variants"] = [{"variant": n, "batch": b, "pdl": p, **v}
+                              for (n, b, p), v in result["variants"].items()]  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
