@@ -162,16 +162,16 @@ def main() -> None:
               "nvcc_flags": os.environ.get("MOET_NVCC_FLAGS", ""),  # a build variant's -D flags
               "provenance": kb.provenance([sys.executable, *sys.argv])}  # fmt: skip
     if variants:
-        result["nvcc_flags"] = variants
-        result["variants"] = medians(rows)
-        for (name, batch, pdl), stages in result["variants"].items():
+        per = medians(rows)
+        for (name, batch, pdl), st in per.items():
             print(
-                f"{name} T={batch} pdl={int(pdl)}: op {stages['combine']:.2f} us/layer; adds "
-                + ", ".join(f"{s} {stages[s + ' adds']:.2f}" for s in STAGES),
+                f"{name} T={batch} pdl={int(pdl)}: op {st['combine']:.2f} us/layer; adds "
+                + ", ".join(f"{s} {st[s + ' adds']:.2f}" for s in STAGES),
                 flush=True,
             )
+        result["nvcc_flags"] = variants
         result["variants"] = [{"variant": n, "batch": b, "pdl": p, **v}
-                              for (n, b, p), v in result["variants"].items()]  # fmt: skip
+                              for (n, b, p), v in per.items()]  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
