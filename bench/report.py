@@ -69,10 +69,18 @@ def number(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
 
 
+def shown_target(fig: dict) -> str:
+    """A figure's target as the tables show it ("≥ 1.35×", "≤ 200 MB/s"), or ""."""
+    if "target" not in fig:
+        return ""
+    op, bound, tunit = TARGET.fullmatch(fig["target"]).groups()
+    return f"{'≥' if op == '>=' else '≤'} {bound}{' ' + tunit if tunit else '×'}"
+
+
 def row(fig: dict, run_file: Path | None, doc: Path) -> str:
     """One figure's row of the table in `doc` (links relative to it)."""
     if run_file is None:
-        return f"| {fig['what']} | no run yet | | | {fig.get('target', '')} | |\n"
+        return f"| {fig['what']} | no run yet | | | {shown_target(fig)} | |\n"
     body = json.loads(run_file.read_text())
     unit = f" {fig['unit']}" if fig.get("unit") else ""
     value = resolve(body["result"], fig["value"])
@@ -83,13 +91,12 @@ def row(fig: dict, run_file: Path | None, doc: Path) -> str:
         except RecipeError:  # a run without the baseline (an older result adopted)
             base = None
         ratio = value / base if base else None
-    target = ""
+    target = shown_target(fig)
     if "target" in fig:
         op, bound, tunit = TARGET.fullmatch(fig["target"]).groups()
         of = value if tunit else ratio  # a target with a unit bounds the value, else the ratio
-        shown = f"{'≥' if op == '>=' else '≤'} {bound}{' ' + tunit if tunit else '×'}"
         met = None if of is None else (of >= float(bound) if op == ">=" else of <= float(bound))
-        target = f"{shown}: {'met' if met else 'not met'}" if met is not None else shown
+        target += "" if met is None else f": {'met' if met else 'not met'}"
     p = body["provenance"]
     link = os.path.relpath(run_file, doc.parent)
     when = f"{p['machine']} {str(p['date'])[:10]} {str(p['commit'])[:7]}"
