@@ -968,11 +968,7 @@ __device__ void select_experts(const T* logits, const float* bias, int n_tok, in
   float* sel = s_sel[warp];
   // one token without groups: the block ranks its experts (pick_by_rank), each warp scoring them
   // (no warp waits for another's scores, and no shuffle sits in a branch)
-#ifndef MOET_SELECT_ROUNDS_ONLY  // A/B: the rounds at every batch (the chain probe's baseline)
   const bool by_rank = n_tok == 1 && n_group <= 1 && top_k <= 32 && n_experts <= RANK_EXPERTS;
-#else
-  const bool by_rank = false;
-#endif
   if (!by_rank && t >= n_tok) return;
   const int row = by_rank ? 0 : t;
   score_token(logits + (size_t)row * n_experts, bias, n_experts, softmax, n_group, topk_group,
