@@ -798,6 +798,8 @@ MOET_ROUTE(moet_route_f32, float)
 namespace {
 
 constexpr int TOPK_WARPS = 4;
+constexpr int RANK_EXPERTS =
+    256;  // pick_by_rank's bound: each thread compares its experts with all
 
 // (a, ia) before (b, ib): the higher value, then the lower index; NaN (picked, or no candidate yet)
 // last.
@@ -818,19 +820,51 @@ __device__ __forceinline__ void warp_best(float& v, int& idx) {
   }
 }
 
+// One token's picks by rank, the block's warps together (a decode step of one sequence): an
+// expert's rank is the number of experts `prefer` puts before it, so the expert of rank i is the
+// rounds' pick i (prefer is a strict order on the scores that are not NaN), without the rounds'
+// chain of warp-wide arg-max reductions. Ids, weights and their sum in pick order are the rounds'
+// bit for bit. False, with nothing written, where fewer than top_k scores are not NaN (the
+// rounds then pick as they do).
+__device__ __forceinline__ bool pick_by_rank(const float* score, const float* sel, int n_experts,
+                                             int top_k, int renormalize, float scaling, int* ids,
+                                             float* weights) {
+  __shared__ int s_id[32];
+  __shared__ float s_w[32];
+  __shared__ int s_ranked;
+  if (threadIdx.x == 0) s_ranked = 0;
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    const float v = sel[e];
+    if (v != v) continue;
+    int r = 0;  // prefer(sel[j], j, v, e), v not NaN
+#pragma unroll 8
+    for (int j = 0; j < n_experts; ++j) r += sel[j] > v || (sel[j] == v && j < e);
+    if (r < top_k) {
+      s_id[r] = e;
+      s_w[r] = score[e];
+      atomicAdd(&s_ranked, 1);
+    }
+  }
+  __syncthreads();
+  if (s_ranked < top_k) return false;
+  const int lane = threadIdx.x;
+  if (lane >= top_k) return true;
+  float sum = 0.f;
+  for (int i = 0; i < top_k; ++i) sum = __fadd_rn(sum, s_w[i]);
+  float w = s_w[lane];
+  if (renormalize || scaling != 1.f) w = __fmul_rn(renormalize ? __fdiv_rn(w, sum) : w, scaling);
+  ids[lane] = s_id[lane];
+  weights[lane] = w;
+  return true;
+}
+
+// One token's selection scores (warp-wide): score[e] the routing weight's source, sel[e] what
+// selects (score plus the correction bias; -inf outside the kept groups).
 template <typename T>
-__device__ void select_experts(const T* logits, const float* bias, int n_tok, int n_experts,
-                               int top_k, int softmax, int renormalize, int n_group, int topk_group,
-                               float scaling, int* ids, float* weights) {
-  __shared__ float s_score[TOPK_WARPS][MAX_EXPERTS];
-  __shared__ float s_sel[TOPK_WARPS][MAX_EXPERTS];
-  pdl_enter();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int t = blockIdx.x * TOPK_WARPS + warp;
-  if (t >= n_tok) return;
-  float* score = s_score[warp];
-  float* sel = s_sel[warp];
-  const T* z = logits + (size_t)t * n_experts;
+__device__ void score_token(const T* z, const float* bias, int n_experts, int softmax, int n_group,
+                            int topk_group, float* score, float* sel) {
+  const int lane = threadIdx.x & 31;
   float m = -INFINITY;
   for (int e = lane; e < n_experts; e += 32) {
     const float v = to_f32<T>(z[e]);
@@ -882,6 +916,13 @@ __device__ void select_experts(const T* logits, const float* bias, int n_tok, in
       if (!((keep >> (e / size)) & 1u)) sel[e] = -INFINITY;
     __syncwarp();
   }
+}
+
+// The top_k picks of one token, highest first, in rounds of a warp-wide arg-max; ids and weights
+// point at the token's row.
+__device__ void pick_in_rounds(float* score, float* sel, int n_experts, int top_k, int renormalize,
+                               float scaling, int* ids, float* weights) {
+  const int lane = threadIdx.x & 31;
   float picked = 0.f, sum = 0.f;  // lane i keeps pick i's weight
   for (int i = 0; i < top_k; ++i) {
     float v = NAN;
@@ -899,20 +940,46 @@ __device__ void select_experts(const T* logits, const float* bias, int n_tok, in
     __syncwarp();
     sum = __fadd_rn(sum, w);
     if (lane == (i & 31)) picked = w;
-    if (lane == 0) ids[(size_t)t * top_k + i] = best;
+    if (lane == 0) ids[i] = best;
     if (((i + 1) & 31) == 0 || i + 1 == top_k) {  // lanes 0..31 hold picks of this round
       const int first = i & ~31;
-      if (lane <= i - first) weights[(size_t)t * top_k + first + lane] = picked;
+      if (lane <= i - first) weights[first + lane] = picked;
     }
   }
   __syncwarp();
   if (renormalize || scaling != 1.f) {
     for (int i = lane; i < top_k; i += 32) {
-      const size_t p = (size_t)t * top_k + i;
-      const float w = renormalize ? __fdiv_rn(weights[p], sum) : weights[p];
-      weights[p] = __fmul_rn(w, scaling);
+      const float w = renormalize ? __fdiv_rn(weights[i], sum) : weights[i];
+      weights[i] = __fmul_rn(w, scaling);
     }
   }
+}
+
+template <typename T>
+__device__ void select_experts(const T* logits, const float* bias, int n_tok, int n_experts,
+                               int top_k, int softmax, int renormalize, int n_group, int topk_group,
+                               float scaling, int* ids, float* weights) {
+  __shared__ float s_score[TOPK_WARPS][MAX_EXPERTS];
+  __shared__ float s_sel[TOPK_WARPS][MAX_EXPERTS];
+  pdl_enter();
+  const int warp = threadIdx.x >> 5;
+  const int t = blockIdx.x * TOPK_WARPS + warp;
+  float* score = s_score[warp];
+  float* sel = s_sel[warp];
+  // one token without groups: the block ranks its experts (pick_by_rank), each warp scoring them
+  // (no warp waits for another's scores, and no shuffle sits in a branch)
+  const bool by_rank = n_tok == 1 && n_group <= 1 && top_k <= 32 && n_experts <= RANK_EXPERTS;
+  if (!by_rank && t >= n_tok) return;
+  const int row = by_rank ? 0 : t;
+  score_token(logits + (size_t)row * n_experts, bias, n_experts, softmax, n_group, topk_group,
+              score, sel);
+  if (by_rank) {
+    __syncthreads();
+    if (pick_by_rank(score, sel, n_experts, top_k, renormalize, scaling, ids, weights)) return;
+    if (warp > 0) return;
+  }
+  pick_in_rounds(score, sel, n_experts, top_k, renormalize, scaling, ids + (size_t)t * top_k,
+                 weights + (size_t)t * top_k);
 }
 
 }  // namespace

@@ -124,3 +124,26 @@ def test_select_kernel_picks_the_references_experts(name, dtype):
         same = (ids.long() == ref_ids).all(dim=1)
         assert same.float().mean() >= 0.99, where
         torch.testing.assert_close(weights[same], ref_w[same], rtol=1e-5, atol=0, msg=where)
+
+
+@pytest.mark.parametrize("name", [n for n, (r, e, _) in SELECTIONS.items() if r.n_group <= 1])
+def test_select_kernel_one_token_picks_as_a_batch_does(name):
+    """At one token the select kernel ranks the experts with the whole block instead of picking in
+    rounds (a warp per token, as for any batch): the same ids and weights bit for bit, on bfloat16
+    logits (ties, broken to the lower id), with NaN scores (sigmoid) or zero ones (softmax of
+    -inf) among them."""
+    require_kernels()
+    routing, e, biased = SELECTIONS[name]
+    gen = torch.Generator().manual_seed(SEED)
+    logits = (torch.randn(16, e, generator=gen) * 2).bfloat16()
+    logits[3, : e // 4] = logits[3, e // 4]  # a quarter of the experts tie
+    logits[5, 1::3] = float("nan" if routing.scoring == "sigmoid" else "-inf")
+    logits, bias = logits.cuda(), (torch.randn(e, generator=gen) * 0.1).cuda() if biased else None
+    weights, ids = select_experts(logits, routing, bias)
+    for r in range(logits.shape[0]):
+        w1, i1 = select_experts(logits[r : r + 1], routing, bias)
+        where = f"{name}, row {r}; " + reproduce(
+            f"test_select_kernel_one_token_picks_as_a_batch_does[{name}]"
+        )
+        assert torch.equal(i1[0], ids[r]), where
+        assert torch.equal(w1[0].view(torch.int32), weights[r].view(torch.int32)), where

@@ -60,7 +60,6 @@ class MoetLoadSession:
             )
 
         self.cache = cache(self.layout)
-        self.packed = self.cache.layers  # the model layer of each pack row
         self.fp4_layout = (
             self.source.row_layout(native, self.source.fp4_kind) if cfg.serves_fp4 else None
         )
@@ -70,7 +69,7 @@ class MoetLoadSession:
         self.mtp_layers = self.source.mtp_layers if drafts else []
         unserved = [] if drafts else self.source.mtp_layers
         # the MoE layers this engine serves, in pack order (MTP layers come last)
-        self.moe_layers = [m for m in self.packed if m not in unserved]
+        self.moe_layers = [m for m in self.cache.layers if m not in unserved]
         self.pending = set(self.moe_layers)
         self.from_pack = self.quantized = 0
         self.seconds = self.pack_seconds = 0.0
@@ -95,7 +94,7 @@ class MoetLoadSession:
         for logical ones. With `keep=False` (tiered residency) the layer only has to reach the
         packs: a cached layer is not read back, and None is returned."""
         t0 = time.perf_counter()
-        ordinal = self.packed.index(model_layer)
+        ordinal = self.cache.layers.index(model_layer)  # the layer's pack row
         if keep:
             rows = self.cache.read_rows(ordinal)
             cached = rows is not None

@@ -46,9 +46,11 @@ class ExpertPackCache:
         tp_size: int = 1,
         pp_rank: int = 0,
         stage: list[int] | None = None,
+        layers: list[int] | None = None,
     ):
         """`stage`: under pipeline parallelism, the model layers of this stage's MoE layers (the
-        pack's rows, in order): part of the identity, so another split rebuilds the pack."""
+        pack's rows, in order): part of the identity, so another split rebuilds the pack.
+        `layers`: the model layer of each row, where the caller knows them (`of_rank`)."""
         self.layout = layout  # its tier's tag names the pack (design.md, Pack files)
         self.directory = Path(cfg.cache_dir) if cfg.cache_dir else moet_store.default_cache_dir()
         identity = {
@@ -72,7 +74,7 @@ class ExpertPackCache:
         self._writer: moet_store.PackWriter | None = None
         self._store: moet_store.Store | None = None
         self._cached: set[int] | None = None
-        self.layers: list[int] | None = None  # the model layer of each row (`of_rank`)
+        self.layers = layers
 
     @classmethod
     def of_rank(
@@ -83,12 +85,10 @@ class ExpertPackCache:
         (`stage`: the decoder layers vLLM builds on the stage) it holds only the stage's MoE
         layers; `layers` are the model layers of its rows, in order."""
         layers = [m for m in source.moe_layers if stage is None or m in stage]
-        cache = cls(
+        return cls(
             cfg, source.ckpt_id, layout, len(layers), source.n_experts, tp_rank, tp_size, pp_rank,
-            stage=None if stage is None else layers,
+            stage=None if stage is None else layers, layers=layers,
         )  # fmt: skip
-        cache.layers = layers
-        return cache
 
     def _disable(self, why: str) -> None:
         if self.enabled:
