@@ -20,6 +20,7 @@ Everything lives under $XDG_CACHE_HOME/moet/main-job (default ~/.cache/moet/main
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +46,20 @@ def step(title: str) -> None:
 def moet(*args: str) -> None:
     step("moet " + " ".join(args))
     subprocess.run(["moet", *args], check=True)
+
+
+def replace_foreign_conversion() -> None:
+    """OUT, the main job's own cache, is converted anew where it holds a conversion of another copy
+    of the model (another clone: its path and file times differ), which `moet convert` refuses to
+    overwrite; a conversion of this copy is kept (resumed)."""
+    from moet_quant.checkpoint import checkpoint_identity, ckpt_id
+
+    source = str(ckpt_id(checkpoint_identity(MODEL)))
+    stamp = CACHE / "converted-from"
+    if OUT.exists() and (not stamp.exists() or stamp.read_text() != source):
+        print(f"   {OUT}: a conversion of another copy of the model; converting anew")
+        shutil.rmtree(OUT)
+    stamp.write_text(source)
 
 
 def free_port() -> int:
@@ -214,6 +229,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "packages" / "moet-vllm" / "tests"))
     step(f"model: {MODEL}")
     moet("inspect", str(MODEL))
+    replace_foreign_conversion()
     moet("convert", str(MODEL), str(OUT))
     port = free_port()
     log_path = CACHE / "server.log"
