@@ -159,7 +159,8 @@ def main() -> None:
                         flush=True,
                     )
     result = {"shape": args.shape, "layers_in_graph": len(layers), "rows": rows,
-              "nvcc_flags": os.environ.get("MOET_NVCC_FLAGS", ""),  # a build variant's -D flags
+              # the build's -D flags: one build's ($MOET_NVCC_FLAGS) or each variant's
+              "nvcc_flags": variants or os.environ.get("MOET_NVCC_FLAGS", ""),
               "provenance": kb.provenance([sys.executable, *sys.argv])}  # fmt: skip
     if variants:
         per = medians(rows)
@@ -169,7 +170,6 @@ def main() -> None:
                 + ", ".join(f"{s} {st[s + ' adds']:.2f}" for s in STAGES),
                 flush=True,
             )
-        result["nvcc_flags"] = variants
         result["variants"] = [{"variant": n, "batch": b, "pdl": p, **v}
                               for (n, b, p), v in per.items()]  # fmt: skip
     if args.out:
