@@ -68,7 +68,9 @@ and `stock-fp8`, `stock-int4` and `moet-fp8` are skipped with their reason print
 CPU tok/s only show that the path runs.
 `--profile` (a GPU): per batch, the GPU time of a decode step by kernel (the worker's torch
 profiler; CUPTI sees the kernels inside graph replays), the prefill subtracted: where a step's
-time goes, e.g. routing against the expert GEMMs.
+time goes, e.g. routing against the expert GEMMs; and from the kernels' spans, the busy time
+(their union), the routed experts' union and how much of it another kernel shares (the shared
+expert on vLLM's aux stream, where it overlaps).
 Tiered residency (`--gpu-pool N|P%`, moet only): the same synthetic experts (equal bytes for a
 seed) come from serving_gpu_engine's SyntheticSource, registered as the checkpoint's
 `expert_source`, and reach the pool through packs written at boot into the run's scratch cache;
@@ -423,7 +425,9 @@ def run(args) -> Path:
             top = "; ".join(f"{x['kernel'][:60]} {x['us_per_step']:.1f} us x{x['calls_per_step']:g}"
                             for x in p["kernels"][:10])  # fmt: skip
             print(f"{args.engine} batch {b}: {p['us_per_step']:.0f} us of kernels per decode "
-                  f"step: {top}", flush=True)  # fmt: skip
+                  f"step ({p['busy_us_per_step']:.0f} busy; the routed experts' "
+                  f"{p['expert_us_per_step']:.0f}, {p['beside_experts_us_per_step']:.0f} of it with "
+                  f"another kernel beside them): {top}", flush=True)  # fmt: skip
     prefill = (
         measure_prefill(llm, d, args.prefill_tokens, args.repeats) if args.prefill_tokens else None
     )
@@ -568,16 +572,14 @@ def kernel_profile(llm, prompts: list) -> dict:
     the kernels inside CUDA graph replays too. The 25 largest, and the step's total."""
     from vllm import SamplingParams
 
-    def profiled(n: int) -> dict:
+    def profiled(n: int) -> tuple[dict, dict]:
         llm.collective_rpc("bench_profile", args=(True,))
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         llm.generate(prompts, sp, use_tqdm=False)
-        return {
-            name: (calls, us)
-            for name, calls, us in llm.collective_rpc("bench_profile", args=(False,))[0]
-        }
+        got = dict(llm.collective_rpc("bench_profile", args=(False,))[0])
+        return {name: (calls, us) for name, calls, us in got.pop("kernels")}, got
 
-    prefill, whole = profiled(1), profiled(1 + PROFILE_STEPS)
+    (prefill, spans0), (whole, spans) = profiled(1), profiled(1 + PROFILE_STEPS)
     rows = []
     for name, (calls, us) in whole.items():
         c0, us0 = prefill.get(name, (0, 0.0))
@@ -587,6 +589,8 @@ def kernel_profile(llm, prompts: list) -> dict:
     return {
         "decode_steps": PROFILE_STEPS,
         "us_per_step": sum(r["us_per_step"] for r in rows),
+        # the union of the spans, the routed experts' union, and what runs beside them
+        **{f"{k}_per_step": round((spans[k] - spans0[k]) / PROFILE_STEPS, 2) for k in spans},
         "kernels": [
             {k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()} for r in rows[:25]
         ],  # fmt: skip

@@ -594,7 +594,7 @@ class BenchWorker:
             us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
             if us > 0:
                 rows.append((ev.key, int(ev.count), float(us)))
-        return rows
+        return {"kernels": rows, **_beside_experts(prof)}
 
     def bench_record(self, on: bool) -> int:
         """Start (clearing what was recorded) or stop recording each MoE layer's routing: the
@@ -632,6 +632,35 @@ class BenchWorker:
         }
         rec.clear()
         return out
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) spans, µs."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+EXPERT_KERNELS = ("moet_", "fused_moe_kernel", "marlin")  # routed experts' kernels, by name
+
+
+def _beside_experts(prof) -> dict:
+    """From a profile's kernel spans: GPU-busy µs (their union), the routed-expert kernels'
+    union, and the µs in which another kernel runs beside them (e.g. the shared expert on vLLM's
+    aux stream): expert + other - busy. Spans of PDL-launched kernels include their wait, so the
+    expert union may start early; the overlap between two experts' kernels is not counted."""
+    expert, other = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        name = ev.name.lower()
+        (expert if any(k in name for k in EXPERT_KERNELS) else other).append(span)
+    busy, ex, ot = _union_us(expert + other), _union_us(expert), _union_us(other)
+    return {"busy_us": busy, "expert_us": ex, "beside_experts_us": ex + ot - busy}
 
 
 def _tensors(mod) -> list[torch.Tensor]:
