@@ -644,7 +644,8 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-EXPERT_KERNELS = ("moet_", "fused_moe_kernel", "marlin")  # routed experts' kernels, by name
+EXPERT_KERNELS = ("moet_", "fused_moe_kernel", "marlin_moe")  # routed experts' kernels, by name (a
+# dense GPTQ layer runs marlin::Marlin, the experts marlin_moe_wna16::Marlin)
 
 
 def _beside_experts(prof) -> dict:
