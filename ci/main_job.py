@@ -50,16 +50,23 @@ def moet(*args: str) -> None:
 
 def replace_foreign_conversion() -> None:
     """OUT, the main job's own cache, is converted anew where it holds a conversion of another copy
-    of the model (another clone: its path and file times differ), which `moet convert` refuses to
-    overwrite; a conversion of this copy is kept (resumed)."""
-    from moet_quant.checkpoint import checkpoint_identity, ckpt_id
+    of the model (another clone: its path and file times differ; the conversion's progress file
+    names its source), which `moet convert` refuses to overwrite; one of this copy is kept
+    (resumed)."""
+    import json
 
-    source = str(ckpt_id(checkpoint_identity(MODEL)))
-    stamp = CACHE / "converted-from"
-    if OUT.exists() and (not stamp.exists() or stamp.read_text() != source):
+    from moet_quant.checkpoint import checkpoint_identity, ckpt_id
+    from moet_quant.convert import MANIFEST
+
+    if not OUT.exists():
+        return
+    try:
+        converted_from = json.loads((OUT / MANIFEST).read_text())["key"]["source_ckpt_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        converted_from = None  # no readable progress file: nothing there to resume
+    if converted_from != ckpt_id(checkpoint_identity(MODEL)):
         print(f"   {OUT}: a conversion of another copy of the model; converting anew")
         shutil.rmtree(OUT)
-    stamp.write_text(source)
 
 
 def free_port() -> int:
