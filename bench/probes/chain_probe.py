@@ -20,6 +20,7 @@ stage".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ def timed(layers, logits, xs, routes, keep: set, pdl: bool, routing) -> float:
     from moet_kernels import loader, ops
 
     mod = loader.load(torch.device("cuda"))
-    launch, attrs = type(mod).launch, mod._pdl
+    launch = type(mod).launch
 
     def only(self, name, grid, block, args):
         if stage_of(name) in keep:
@@ -60,23 +61,29 @@ def timed(layers, logits, xs, routes, keep: set, pdl: bool, routing) -> float:
             kb.run_op(layer, x, ids, w, nr, miss, routed)
 
     type(mod).launch = only
-    if not pdl:
-        mod.__dict__["_pdl"] = _no_pdl()
     try:
-        _, seconds = kb.graph_seconds(step, rounds=7)
+        with pdl_as(mod, pdl):
+            _, seconds = kb.graph_seconds(step, rounds=7)
     finally:
         type(mod).launch = launch
-        mod.__dict__["_pdl"] = attrs
     return seconds * 1e6 / len(layers)
 
 
-def _no_pdl():
+@contextlib.contextmanager
+def pdl_as(mod, on: bool):
+    """The loader's launches inside with PDL as it sets it (on) or without it (off)."""
     from cuda.bindings import driver
 
-    attr = driver.CUlaunchAttribute()
-    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 0
-    return attr
+    attrs = mod._pdl
+    if not on:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 0
+        mod.__dict__["_pdl"] = attr
+    try:
+        yield
+    finally:
+        mod.__dict__["_pdl"] = attrs
 
 
 def medians(rows: list[dict]) -> dict:

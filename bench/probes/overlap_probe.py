@@ -72,14 +72,9 @@ def step(mode: str, work: list, counters: tuple, routing, aux, si: int):
 def timed(mod, run, cap: int | None, pdl: bool, n_layers: int) -> float:
     """µs a layer of `run` as a replayed CUDA graph, the persistent GEMMs' grids capped at `cap`
     CTAs (None: as many as fit) and PDL on or off."""
-    attrs = mod._pdl
-    if not pdl:
-        mod.__dict__["_pdl"] = chain_probe._no_pdl()
-    try:
+    with chain_probe.pdl_as(mod, pdl):
         with mod.grid_cap(cap) if cap is not None else contextlib.nullcontext():
             _, seconds = kb.graph_seconds(run, rounds=7)
-    finally:
-        mod.__dict__["_pdl"] = attrs
     return seconds * 1e6 / n_layers
 
 
