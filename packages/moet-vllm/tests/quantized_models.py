@@ -10,7 +10,9 @@ reads for that format:
 * ``int4-pack``  compressed-tensors `pack-quantized` W4A16: int32 `weight_packed` (8 nibbles),
   bf16 `weight_scale` per group of 32, `weight_shape`.
 
-`experts_only=True` leaves the dense projections in bf16 (the `ignore` list says so).
+`experts_only=True` leaves the dense projections in bf16 (the `ignore` list says so). An FP8
+checkpoint lists its routers and lm_head in `modules_to_not_convert` by full name, as Qwen's FP8
+checkpoints do: vLLM's FP8 method (exact names) would otherwise build FP8 parameters for them.
 modelopt's own NVFP4 / FP8 exports come from moet-quant's `tests/modelopt_export.py` instead.
 """
 
@@ -69,6 +71,9 @@ def write_quantized(src: str | Path, dst: str | Path, fmt: str, experts_only: bo
             out += projection_tensors(base, _float64(raw, info.dtype), fmt)
         else:
             out.append((name, info.dtype, raw))
+    if fmt == "fp8-block":
+        routers = sorted(n[: -len(".weight")] for n in st.names() if n.endswith(".gate.weight"))
+        qc["modules_to_not_convert"] = [*qc.get("modules_to_not_convert", []), "lm_head", *routers]
     st.close()
     write_safetensors(
         dst / "model.safetensors",
