@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--mtp", type=int, default=0, help="MTP speculative tokens (0: off)")
     ap.add_argument("--attention-backend", default=None, help="e.g. CPU_MLA for fp32 MLA")
+    ap.add_argument("--linear-backend", default=None, help="vLLM's kernels of quantized dense "
+                    "layers, e.g. cutlass (default: vLLM's choice)")  # fmt: skip
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -127,6 +129,7 @@ def main() -> None:
         **({"compilation_config": compilation} if compilation else {}),
         max_model_len=args.max_model_len,
         seed=0,
+        **({"linear_backend": args.linear_backend} if args.linear_backend else {}),
         tensor_parallel_size=args.tp,
         pipeline_parallel_size=args.pp,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
