@@ -661,7 +661,8 @@ def _beside_experts(prof) -> dict:
         name = ev.name.lower()
         (expert if any(k in name for k in EXPERT_KERNELS) else other).append(span)
     busy, ex, ot = _union_us(expert + other), _union_us(expert), _union_us(other)
-    return {"busy_us": busy, "expert_us": ex, "beside_experts_us": ex + ot - busy}
+    # max: the three unions' float sums can leave -0.0 where nothing overlaps
+    return {"busy_us": busy, "expert_us": ex, "beside_experts_us": max(0.0, ex + ot - busy)}
 
 
 def _tensors(mod) -> list[torch.Tensor]:
