@@ -19,6 +19,7 @@ Everything lives under $XDG_CACHE_HOME/moet/main-job (default ~/.cache/moet/main
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -53,8 +54,6 @@ def replace_foreign_conversion() -> None:
     of the model (another clone: its path and file times differ; the conversion's progress file
     names its source), which `moet convert` refuses to overwrite; one of this copy is kept
     (resumed)."""
-    import json
-
     from moet_quant.checkpoint import checkpoint_identity, ckpt_id
     from moet_quant.convert import MANIFEST
 
