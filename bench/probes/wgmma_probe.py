@@ -65,10 +65,10 @@ def baseline(gen) -> dict:
     def p(t, off=0):
         return ctypes.c_void_p(t.data_ptr() + off)
 
-    args = [p(layer.pool), i64(layer.pool.stride(0)), i64(lay.offsets["w13_codes"]),
-            i64(lay.offsets["w13_scales"]), i32(i // 32), i32(lay.hidden_p // 128), p(ws.xq),
-            p(ws.xs), i32(lay.hidden_p), i32(k), p(ws.n_jobs, 4), p(ws.job_slot),
-            p(ws.job_pairs), p(ws.h), i32(lay.inter_p)]  # fmt: skip
+    args = [p(layer.pool), i64(layer.pool.stride(0)), ctypes.c_void_p(None), i64(0),
+            i64(lay.offsets["w13_codes"]), i64(lay.offsets["w13_scales"]), i32(i // 32),
+            i32(lay.hidden_p // 128), p(ws.xq), p(ws.xs), i32(lay.hidden_p), i32(k),
+            p(ws.n_jobs, 4), p(ws.job_slot), p(ws.job_pairs), p(ws.h), i32(lay.inter_p)]  # fmt: skip
     grid = mod.persistent_grid("moet_w13", 128, ws.max_jobs * (i // 32))
     us = events_us(lambda: mod.launch("moet_w13", grid, 128, args))
     jobs = int(ws.n_jobs[2])

@@ -636,11 +636,12 @@ __device__ __forceinline__ bool route_one_token(const int* ids, int top_k, const
 // non-null), the device pool (slot_table), and rows of pinned host memory read in place
 // (host_slot_table non-null: rows the GPU reads over the bus, no fetch, no replay); an expert no
 // tier holds is a miss (design.md, Residency). Jobs are grouped by tier in that order: n_jobs =
-// {0, FP4 jobs, + device jobs, + host jobs}, so tier t's GEMMs take jobs [n_jobs[t],
-// n_jobs[t + 1]); job_slot holds the slot (row) in that tier's pool. The job lists are a stable
-// counting sort: counts with shared-memory atomics (their order does not matter), then tiles of 256
-// pairs placed by rank: a pair's place is the expert's pairs in earlier tiles + in earlier warps of
-// this tile + in lower lanes of its warp (match_any).
+// {0, FP4 jobs, + device jobs, + host jobs}, so tier t's jobs are [n_jobs[t], n_jobs[t + 1]) (the
+// device and host tiers' W2 rows in one GEMM launch: JobRows); job_slot holds the slot (row) in
+// that tier's pool. The job lists are a stable counting sort: counts with shared-memory atomics
+// (their order does not matter), then tiles of 256 pairs placed by rank: a pair's place is the
+// expert's pairs in earlier tiles + in earlier warps of this tile + in lower lanes of its warp
+// (match_any).
 template <typename T>
 __device__ void route(const T* x, int n_tok, int hidden, int hidden_p, const int* ids, int top_k,
                       const int* slot_table, const int* fp4_slot_table, const int* host_slot_table,
@@ -1015,10 +1016,36 @@ __device__ __forceinline__ Cols<NT> job_cols(const int* pairs, const int8_t* act
   return c;
 }
 
+// A GEMM launch's jobs and where their rows are: jobs [range[0], range[1]) in `pool`, then, where
+// `pool2` is non-null, jobs [range[1], range[2]) in `pool2`, rows of the same format (the host rows
+// read in place, whose jobs route places right after the device pool's), so that both run in one
+// launch. Read after pdl_enter: route writes the ranges.
+struct JobRows {
+  const uint8_t* pool;
+  long long slot_bytes;
+  const uint8_t* pool2;
+  long long slot_bytes2;
+  int first, split, end;
+  __device__ JobRows(const uint8_t* pool, long long slot_bytes, const uint8_t* pool2,
+                     long long slot_bytes2, const int* range)
+      : pool(pool),
+        slot_bytes(slot_bytes),
+        pool2(pool2),
+        slot_bytes2(slot_bytes2),
+        first(range[0]),
+        split(range[1]),
+        end(pool2 ? range[2] : range[1]) {}
+  __device__ __forceinline__ const uint8_t* row(int job, const int* job_slot) const {
+    const size_t slot = (size_t)job_slot[job];
+    return job < split ? pool + slot * slot_bytes : pool2 + slot * slot_bytes2;
+  }
+};
+
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
 template <class K>
-__device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, long long off_codes,
+__device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, const uint8_t* pool2,
+                                    long long slot_bytes2, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
                                     const int8_t* xq, const float* xs, int hidden_p, int top_k,
                                     const int* job_range, const int* job_slot, const int* job_pairs,
@@ -1027,10 +1054,11 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, l
   constexpr int NT = K::kTiles;
   __shared__ float red[WARPS][16 * NT][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int first = job_range[0], work = (job_range[1] - first) * n_units;
+  const JobRows jobs(pool, slot_bytes, pool2, slot_bytes2, job_range);
+  const int work = (jobs.end - jobs.first) * n_units;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-    const int job = first + item / n_units, u = item % n_units;
-    const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
+    const int job = jobs.first + item / n_units, u = item % n_units;
+    const uint8_t* row = jobs.row(job, job_slot);
     const int* pairs = job_pairs + job * TOK * NT;
     const Cols<NT> cols = job_cols<NT>(pairs, xq, xs, hidden_p, hidden_p / KCHUNK, g, tig,
                                        [top_k](int p) { return p / top_k; });
@@ -1085,19 +1113,20 @@ extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, 
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
 template <class K>
-__device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, long long off_codes,
-                                   long long off_scales, int n_groups, int nchunks,
-                                   const int8_t* aq, const float* as, int inter_p,
-                                   const int* job_range, const int* job_slot, const int* job_pairs,
-                                   float* y, int hidden) {
+__device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, const uint8_t* pool2,
+                                   long long slot_bytes2, long long off_codes, long long off_scales,
+                                   int n_groups, int nchunks, const int8_t* aq, const float* as,
+                                   int inter_p, const int* job_range, const int* job_slot,
+                                   const int* job_pairs, float* y, int hidden) {
   pdl_enter();
   constexpr int NT = K::kTiles;
   __shared__ float red[WARPS][16 * NT][32];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
-  const int first = job_range[0], work = (job_range[1] - first) * n_groups;
+  const JobRows jobs(pool, slot_bytes, pool2, slot_bytes2, job_range);
+  const int work = (jobs.end - jobs.first) * n_groups;
   for (int item = blockIdx.x; item < work; item += gridDim.x) {
-    const int job = first + item / n_groups, rg = item % n_groups;
-    const uint8_t* row = pool + (size_t)job_slot[job] * slot_bytes;
+    const int job = jobs.first + item / n_groups, rg = item % n_groups;
+    const uint8_t* row = jobs.row(job, job_slot);
     const int* pairs = job_pairs + job * TOK * NT;
     const Cols<NT> cols =
         job_cols<NT>(pairs, aq, as, inter_p, inter_p / KCHUNK, g, tig, [](int p) { return p; });
@@ -1129,18 +1158,20 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, lo
 // share each decoded fragment); NVFP4 has no such variant (two tiles would spill).
 #define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
-      int n_units, int nchunks, const int8_t* xq, const float* xs, int hidden_p, int top_k,       \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* h, int inter_p) {   \
-    w13<K>(pool, slot_bytes, off_codes, off_scales, n_units, nchunks, xq, xs, hidden_p, top_k,    \
-           job_range, job_slot, job_pairs, h, inter_p);                                           \
+      const uint8_t* pool, long long slot_bytes, const uint8_t* pool2, long long slot_bytes2,     \
+      long long off_codes, long long off_scales, int n_units, int nchunks, const int8_t* xq,      \
+      const float* xs, int hidden_p, int top_k, const int* job_range, const int* job_slot,        \
+      const int* job_pairs, float* h, int inter_p) {                                              \
+    w13<K>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_units, nchunks, xq, xs, \
+           hidden_p, top_k, job_range, job_slot, job_pairs, h, inter_p);                          \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
-      const uint8_t* pool, long long slot_bytes, long long off_codes, long long off_scales,       \
-      int n_groups, int nchunks, const int8_t* aq, const float* as, int inter_p,                  \
-      const int* job_range, const int* job_slot, const int* job_pairs, float* y, int hidden) {    \
-    w2<K>(pool, slot_bytes, off_codes, off_scales, n_groups, nchunks, aq, as, inter_p, job_range, \
-          job_slot, job_pairs, y, hidden);                                                        \
+      const uint8_t* pool, long long slot_bytes, const uint8_t* pool2, long long slot_bytes2,     \
+      long long off_codes, long long off_scales, int n_groups, int nchunks, const int8_t* aq,     \
+      const float* as, int inter_p, const int* job_range, const int* job_slot,                    \
+      const int* job_pairs, float* y, int hidden) {                                               \
+    w2<K>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_groups, nchunks, aq, as, \
+          inter_p, job_range, job_slot, job_pairs, y, hidden);                                    \
   }
 MOET_GEMMS(, Chunk<1>, GEMM_BLOCKS)
 MOET_GEMMS(_fp4, ChunkFp4<1>, GEMM_BLOCKS_FP4)

@@ -92,7 +92,7 @@ def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_
     # prefill jobs where every tier has the kernels for them (not NVFP4: ops.PREFILL_TIERS)
     prefill_jobs = n_tok == PREFILL and fp4 != "fp4x-nvfp4"
     prefill = "_t16" if prefill_jobs else ""
-    gemm = ([ops.GEMM_KERNELS[fp4] + prefill] if fp4 else []) + [prefill] * (1 + host)
+    gemm = ([ops.GEMM_KERNELS[fp4] + prefill] if fp4 else []) + [prefill]  # host rows: W2's
     want = [f"moet_route_{out}", *(f"moet_w13{g}" for g in gemm), "moet_requant",
             *(f"moet_w2{g}" for g in gemm), f"moet_combine_{out}"]  # fmt: skip
     assert [name for name, *_ in launches] == want
@@ -102,21 +102,22 @@ def test_every_launch_matches_the_kernels_parameters(monkeypatch, dtype, fp4, n_
         for declared_sizes in sizes[name]:  # every arch's cubin
             assert [ctypes.sizeof(a) for a in args] == declared_sizes, name
         assert 1 <= grid <= 8 * Recorder.sms and block in (128, 256)
-    # the FP4 and host tables go to the route kernel; each tier's GEMMs read their job range
-    # from route's n_jobs = {0, FP4 jobs, + device jobs, + host jobs}, the host rows' GEMMs
-    # their rows from the host pool
+    # the FP4 and host tables go to the route kernel; the GEMMs read their job ranges from
+    # route's n_jobs = {0, FP4 jobs, + device jobs, + host jobs}: the FP4 tier's from n_jobs[0],
+    # the W2 launch's from n_jobs[1], its jobs past the device pool's rows of the host pool
     route_args = launches[0][3]
     assert route_args[7].value == (table4.data_ptr() if fp4 else None)
     assert route_args[8].value == (host_table.data_ptr() if host else None)
     assert route_args[15].value == (4 if prefill_jobs else 3)  # log2 of the job size
     assert tuple(ws.job_pairs.shape) == (ws.max_jobs, 16 if prefill_jobs else 8)
     n_jobs = ws.n_jobs.data_ptr()
-    ranges = [args[10].value for name, _, _, args in launches if name.startswith("moet_w13")]
-    ranges += [args[9].value for name, _, _, args in launches if name.startswith("moet_w2")]
-    starts = ([n_jobs] if fp4 else []) + [n_jobs + 4] + ([n_jobs + 8] if host else [])
-    assert ranges == starts * 2
-    gemm_pools = [args[0].value for name, _, _, args in launches if name.startswith("moet_w13")]
-    assert (gemm_pools[-1] == host_pool.data_ptr()) == host
+    w13 = [args for name, _, _, args in launches if name.startswith("moet_w13")]
+    w2 = [args for name, _, _, args in launches if name.startswith("moet_w2")]
+    assert [a[12].value for a in w13] + [a[11].value for a in w2] == (
+        ([n_jobs] if fp4 else []) + [n_jobs + 4]
+    ) * 2
+    host_rows = host_pool.data_ptr() if host else None  # the second pool: the W2 launch's
+    assert [a[2].value for a in w13 + w2] == (([None] if fp4 else []) + [host_rows]) * 2
 
 
 def test_the_manifests_name_every_parameter_list() -> None:

@@ -239,18 +239,27 @@ def _gpu(x, topk_ids, topk_weights, tiers, n_real_tokens, miss_count, routed):
     )  # fmt: skip
 
     def gemms(proj: str, units: int, k: int, inputs: list, outputs: list) -> None:
-        """moet_w13 or moet_w2 once per tier, each over its jobs: route's n_jobs holds {0, FP4
-        jobs, + device jobs, + host jobs}, so tier t's range starts at n_jobs[t] (TIER_JOBS).
+        """moet_w13 or moet_w2 once per row format: route's n_jobs holds {0, FP4 jobs, + device
+        jobs, + host jobs} (TIER_JOBS), so the FP4 tier's launch takes its jobs from n_jobs[0] and
+        the W2 launch the device pool's from n_jobs[1], then the host rows' (its second pool), as
+        one launch: a launch per tier costs each layer a kernel even where that tier has no work.
         Prefill jobs (16 pairs) take the kernels' _t16 variants."""
         prefill = "_t16" if ws.job_tok == PREFILL_JOB else ""
-        for where, (pool, _, tl) in tiers.items():
+        host = tiers["host"][0] if "host" in tiers else None
+        for where in ("fp4", "device"):
+            if where not in tiers:
+                continue
+            pool, _, tl = tiers[where]
+            pool2 = host if where == "device" else None
             name = f"moet_{proj}{GEMM_KERNELS[tl.tier.name]}{prefill}"
             first = TIER_JOBS.index(where)
             mod.launch(
                 name,
                 mod.persistent_grid(name, 128, ws.max_jobs * units),
                 128,
-                [_ptr(pool), i64(pool.stride(0)), i64(tl.offsets[f"{proj}_codes"]),
+                [_ptr(pool), i64(pool.stride(0)),
+                 ctypes.c_void_p(None) if pool2 is None else _ptr(pool2),
+                 i64(0 if pool2 is None else pool2.stride(0)), i64(tl.offsets[f"{proj}_codes"]),
                  i64(tl.offsets[f"{proj}_scales"]), i32(units), i32(k // CHUNK), *inputs,
                  ctypes.c_void_p(ws.n_jobs.data_ptr() + 4 * first), _ptr(ws.job_slot),
                  _ptr(ws.job_pairs), *outputs],
