@@ -52,12 +52,13 @@ run_file() {  # budget in seconds, test file (or node id)
   mkdir -p "$res/engines/$name"
   (cd "$work/$name" 2>/dev/null && find . \( -name '*.log' -o -name '*.json' \) -size -4M -exec cp --parents {} "$res/engines/$name" \;)
 }
-# budgets: ~30 s of installs + 300 + 240 s stay inside one 600 s device call (stage vLLM in an
-# earlier call). On the H200 (2026-12-01) a file of 5 engines took 242 s side by side with the
-# others; the memory file's 3 boots ran past 150 s alone
-for f in "${parallel[@]}"; do run_file 300 "$f" & done
+# budgets: ~35 s of installs + 330 + 220 s stay inside one 600 s device call (stage and install
+# vLLM in an earlier call). Side by side, the slowest files took 242-284 s on H200s and H100s
+# (2026-12-01 to 12-06) and 293-300 s on one H100 (run 30), where alone they took 52-121 s; the
+# memory file's 3 boots took 130-164 s alone
+for f in "${parallel[@]}"; do run_file 330 "$f" & done
 wait
-for f in "${alone[@]}"; do run_file 240 "$f"; done
+for f in "${alone[@]}"; do run_file 220 "$f"; done
 for f in "$res"/files/*.log; do echo "=== $(basename "$f" .log)"; cat "$f"; done >"$out/gpu-tests.log"
 tar czf "$out/logs.tar.gz" -C "$res" files engines
 python3 ci/gpu_summary.py "$out/provenance.json" $(($(date +%s) - t1)) "$res/files" "$out/summary.json"

@@ -4,10 +4,11 @@
     python3 ci/gpu_summary.py PROVENANCE.json WALL_SECONDS FILES_DIR SUMMARY.json
 
 FILES_DIR holds `<file>.xml` and `<file>.rc` for each test file ci/gpu.sh ran. The summary has
-the counts (passed, failed, errors, skipped), each test's outcome and time, the files that did not
-finish (interrupted past their time budget, or exited non-zero with no failure reported), and
-where it ran (GPU, driver, torch, vLLM, commit, command, date): what bench/results/gpu/ keeps.
-Green: tests passed, none failed, errored or skipped, and every file finished.
+the counts (passed, failed, errors, skipped, interrupted), each test's outcome and time, the files
+that did not finish (interrupted past their time budget, or exited non-zero with no failure
+reported), and where it ran (GPU, driver, torch, vLLM, commit, command, date): what
+bench/results/gpu/ keeps. Green: tests passed, none failed, errored, skipped or was interrupted,
+and every file finished.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from __future__ import annotations
 import json
 import sys
 import xml.etree.ElementTree as ET
-from importlib import metadata
 from pathlib import Path
 
 TIMED_OUT = 124  # timeout(1)'s exit status
+OUTCOMES = ("passed", "failed", "error", "skipped", "interrupted")
 
 
 def outcome(case: ET.Element) -> str:
+    # pytest interrupted (SIGINT past the budget) writes one testcase with no name: not a pass
+    if case.get("name") is None:
+        return "interrupted"
     for tag in ("failure", "error", "skipped"):
         if case.find(tag) is not None:
             return {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
@@ -37,7 +41,9 @@ def main(provenance: str, wall_s: str, files_dir: str, out: str) -> int:
         outcomes = [outcome(c) for c in cases]
         tests += [
             {
-                "test": f"{c.get('file') or c.get('classname')}::{c.get('name')}",
+                "test": f"{c.get('file') or c.get('classname')}::{c.get('name')}"
+                if o != "interrupted"
+                else f"{rc_file.stem}: interrupted",
                 "outcome": o,
                 "seconds": round(float(c.get("time", 0)), 1),
             }
@@ -46,30 +52,24 @@ def main(provenance: str, wall_s: str, files_dir: str, out: str) -> int:
         if rc == TIMED_OUT or (rc != 0 and not {"failed", "error"} & set(outcomes)):
             why = "past its time budget" if rc == TIMED_OUT else f"exit status {rc}"
             unfinished.append({"file": rc_file.stem, "why": why})
-    counts = {
-        k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")
-    }
-    try:
-        vllm = metadata.version("vllm")
-    except metadata.PackageNotFoundError:
-        vllm = "not installed"
-    green = counts["passed"] > 0 and not (
-        counts["failed"] or counts["error"] or counts["skipped"] or unfinished
-    )
+    counts = {k: sum(t["outcome"] == k for t in tests) for k in OUTCOMES}
+    where = json.loads(Path(provenance).read_text())
+    green = counts["passed"] > 0 and not (any(counts[k] for k in OUTCOMES[1:]) or unfinished)
     summary = {
         "suite": "gpu (pytest -m gpu, ci/gpu.sh)",
         **counts,
         "unfinished": unfinished,
         "green": green,
         "wall_seconds": int(wall_s),
-        "vllm": vllm,
-        "provenance": json.loads(Path(provenance).read_text()),
+        "vllm": where["vllm"],  # the provenance's: re-summarizing elsewhere keeps the GPU machine's
+        "provenance": where,
         "tests": tests,
     }
     Path(out).write_text(json.dumps(summary, indent=1) + "\n")
     print(
         f"ci/gpu: {'green' if green else 'NOT green'}: {counts['passed']} passed, "
         f"{counts['failed']} failed, {counts['error']} errors, {counts['skipped']} skipped, "
+        f"{counts['interrupted']} interrupted, "
         f"{len(unfinished)} files unfinished, in {wall_s} s ({out})"
     )
     return 0 if green else 1
