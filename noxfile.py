@@ -59,8 +59,9 @@ def tests(session: nox.Session, pkg: str) -> None:
     # the gpu marker is deselected, not skipped (ci/gpu.sh runs it); `-- -m gpu` selects it again;
     # ci/pytest_skips.py: with STRICT_SKIPS=1 (ci/test.sh) an unexpected skip fails the run
     path = os.pathsep.join(p for p in (str(ROOT / "ci"), os.environ.get("PYTHONPATH")) if p)
+    # the slowest tests are printed: CI's time is bounded (~30 min), tests(vllm) takes most of it
     session.run(
-        "python", "-m", "pytest", "-q", "-p", "pytest_skips", "-m", "not gpu",
+        "python", "-m", "pytest", "-q", "-p", "pytest_skips", "-m", "not gpu", "--durations=15",
         str(_pkg_dir(pkg) / "tests"), *session.posargs, env={"PYTHONPATH": path},
     )  # fmt: skip
 
