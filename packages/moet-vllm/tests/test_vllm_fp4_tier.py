@@ -88,14 +88,18 @@ def harness_and_served(tmp_path, mode: str, n_prompts: int, max_tokens: int, env
 def test_served_tokens_equal_the_harness_simulation_of_the_same_decisions(tmp_path):
     """Batch 1, a fresh pool of 25%, the gate at margin 1 nat: the greedy tokens vLLM serves
     (the torch reference) equal `gate_eval.simulate_generation`'s (transformers, the same
-    Fp4Tier decisions), and both gated some steps."""
+    Fp4Tier decisions), and both gated some steps. The LM head runs once a step, twice a gated
+    one: the gate's logits of an ungated step are the ones vLLM samples from (GateLogits)."""
     from vllm_driver import MAX_TOKENS
 
-    sim, served = harness_and_served(tmp_path, "exact", 3, MAX_TOKENS)
+    sim, served = harness_and_served(tmp_path, "exact", 3, MAX_TOKENS, extra=["--count-head"])
     assert served["tokens"] == sim["tokens"]
     assert 0 < sim["gated"] < sim["steps"]
     gated = re.findall(r"gate replay ([\d.]+)% of decode steps", served["log"])
     assert gated and max(float(g) for g in gated) > 0
+    head = served["head"]
+    assert 0 < head["gated_steps"] < head["steps"]
+    assert head["calls"] == head["steps"] + head["gated_steps"], head
 
 
 def test_served_tokens_in_the_kernels_arithmetic_equal_the_harness_in_kernel_mode(tmp_path):

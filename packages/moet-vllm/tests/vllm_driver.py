@@ -28,6 +28,35 @@ def prompts(n: int) -> list[list[int]]:
     return (PROMPTS + extra)[:n]
 
 
+def _count_head(worker) -> None:
+    """Count the LM head's computations of the worker's runner from now on: the model's own
+    `compute_logits`, which moet's gate wraps at the engine's first forward (compat.GateLogits),
+    or has wrapped already."""
+    runner = worker.model_runner
+    logits = runner.__dict__.get("_moet_gate_logits")
+    owner, name = (logits, "compute") if logits is not None else (runner.model, "compute_logits")
+    compute = getattr(owner, name)
+    runner.head_calls = 0
+
+    def counted(*args, **kwargs):
+        runner.head_calls += 1
+        return compute(*args, **kwargs)
+
+    setattr(owner, name, counted)
+
+
+def _head_calls(worker) -> int:
+    return worker.model_runner.head_calls
+
+
+def _residency_steps() -> tuple[int, int]:
+    """(steps, gated steps) of this process's residency manager so far."""
+    from moet_vllm.residency import manager
+
+    m = manager.active()
+    return m.counters.steps, m.fp4.tier.counters.gated_steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -45,6 +74,12 @@ def main() -> None:
     ap.add_argument("--prompts-file", help="a JSON list of token-id lists (instead of --prompts)")
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
     ap.add_argument("--max-model-len", type=int, default=128)
+    ap.add_argument(
+        "--count-head",
+        action="store_true",
+        help="with tiered residency and the FP4 gate: count the LM head's computations during "
+        "generate, and the steps and gated steps, as 'head': {calls, steps, gated_steps}",
+    )
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="skips profiling")
     ap.add_argument(
         "--prompt-logprobs",
@@ -161,6 +196,9 @@ def main() -> None:
         logprobs=1,
         prompt_logprobs=args.prompt_logprobs,
     )
+    if args.count_head:
+        llm.collective_rpc(_count_head)
+        steps0 = _residency_steps()
     t1 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in todo], sp)
     generate = time.perf_counter() - t1
@@ -182,6 +220,10 @@ def main() -> None:
         for m in llm.get_metrics():
             if m.name.startswith("vllm:spec_decode_num_") and hasattr(m, "value"):
                 spec_counters[m.name] = m.value
+    head = None
+    if args.count_head:
+        steps, gated = (b - a for a, b in zip(steps0, _residency_steps()))
+        head = {"calls": llm.collective_rpc(_head_calls)[0], "steps": steps, "gated_steps": gated}
     cache = llm.llm_engine.vllm_config.cache_config  # as the engine core sized it
     from moet_vllm import plugin
     from moet_vllm.residency import metrics
@@ -200,6 +242,7 @@ def main() -> None:
                 "init_seconds": init,
                 "generate_seconds": generate,
                 "spec_decode": spec_counters,
+                "head": head,
                 "residency": residency,
                 "residency_ranks": ranks,
                 # vLLM loaded the plugin in this process, where the engine core ran (its log line
