@@ -366,7 +366,7 @@ class GateLogits:
     own call after the pass gets those logits back when its input equals the rows bit for bit
     (the head is a pure function of them), and computes afresh otherwise: a gate replay rewrote
     the rows, or the step was a prefill. Each answer is used once. On the H100, GLM-4.5-Air's
-    head costs 0.44 ms, a third of a batch-1 step."""
+    head (151552 rows) costs 0.44 ms, a sixth of the 12-layer benchmark shape's batch-1 step."""
 
     def __init__(self, compute) -> None:
         self.compute = compute
