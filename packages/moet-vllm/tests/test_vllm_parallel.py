@@ -48,8 +48,14 @@ def serve(model, tmp_path, name, extra, pool=None, cache=None):
     return run_vllm(model, tmp_path, name, quantization="moet", extra=extra, env=env)
 
 
-def test_tp2_tiered_equals_tp2_resident_and_tp1_within_the_bound(model, tmp_path):
-    tp1 = serve(model, tmp_path, "tp1", ["--max-num-seqs", "1"])
+@pytest.fixture(scope="module")
+def one_worker(model, tmp_path_factory):
+    """The reference engine of the TP and the PP comparisons: one worker, eager, resident."""
+    return serve(model, tmp_path_factory.mktemp("one-worker"), "tp1", ["--max-num-seqs", "1"])
+
+
+def test_tp2_tiered_equals_tp2_resident_and_tp1_within_the_bound(model, one_worker, tmp_path):
+    tp1 = one_worker
     tp2 = serve(model, tmp_path, "tp2", TP2)
     cache = tmp_path / "packs"
     tiered = serve(model, tmp_path, "tp2-tiered", TP2, pool="50%", cache=cache)
@@ -89,8 +95,8 @@ COMPILED = ["--max-num-seqs", "1", "--graphs", "1"]  # on vLLM CPU: torch.compil
 PP2 = ["--pp", "2", *COMPILED]
 
 
-def test_pp2_tiered_equals_pp2_resident_equals_pp1(model, tmp_path):
-    eager = serve(model, tmp_path, "pp1-eager", ["--max-num-seqs", "1"])
+def test_pp2_tiered_equals_pp2_resident_equals_pp1(model, one_worker, tmp_path):
+    eager = one_worker
     pp1 = serve(model, tmp_path, "pp1", COMPILED)
     pp2 = serve(model, tmp_path, "pp2", PP2)
     cache = tmp_path / "packs"
