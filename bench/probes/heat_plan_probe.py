@@ -93,13 +93,13 @@ def main() -> None:
             "top_k": TOP_K,
             "fp4_pool_share": POOL_SHARE,
             "routing": "uniform",
-        },  # fmt: skip
+        },
         "steps": args.steps,
         "warm_steps": WARM_STEPS,
         "us_per_step": {
             name: {b: sorted(x[b] for x in rs)[len(rs) // 2] for b in args.batches}
             for name, rs in rounds.items()
-        },  # fmt: skip
+        },
         "rounds": rounds,
         "provenance": provenance(["python", "bench/probes/heat_plan_probe.py", *sys.argv[1:]]),
     }
