@@ -877,10 +877,11 @@ def summarize(args) -> Path:
                        "copy_bytes_per_s": bw})  # fmt: skip
         engines = [e for e in ENGINES if any(j["engine"] == e for j in ran)]
         md.append(f"\n### {shape}, {routing} routing, gpu_pool={pool}\n")
+        stock = [e for e in engines if e.startswith("stock")]
+        # the ratio column only where a stock engine ran beside moet
         md.append("| batch | " + " | ".join(f"{e} tok/s (D, HBM)" for e in engines)
-                  + " | moet vs " + " / ".join(e for e in engines if e.startswith("stock"))
-                  + " |")  # fmt: skip
-        md.append("|---" * (len(engines) + 2) + "|")
+                  + (" | moet vs " + " / ".join(stock) if stock else "") + " |")  # fmt: skip
+        md.append("|---" * (len(engines) + 1 + bool(stock)) + "|")
         for row in rows:
             cells = []
             for e in engines:
@@ -889,7 +890,8 @@ def summarize(args) -> Path:
                 cells.append(f"{v['tok_s']:.1f} ({v['d_mean']:.1f}{hbm})" if v else "-")
             ratios = " / ".join(f"{row['moet_vs'][e]:.2f}x" for e in engines
                                 if e in row["moet_vs"])  # fmt: skip
-            md.append(f"| {row['batch']} | " + " | ".join(cells) + f" | {ratios or '-'} |")
+            md.append(f"| {row['batch']} | " + " | ".join(cells)
+                      + (f" | {ratios or '-'}" if stock else "") + " |")  # fmt: skip
         for eng, why in skipped.items():
             md.append(f"\n{eng}: skipped ({why})")
         for t in targets:
