@@ -29,6 +29,10 @@ PACKAGES = {
     "meta": "moet",
 }
 NATIVE = {"moet-store"}  # packages with compiled extensions (auditwheel-repaired)
+# moet-vllm's tests are mostly vLLM engine boots, each of which keeps about one core busy: two
+# pytest workers (pytest-xdist), a test file per worker so that a file's module fixtures are made
+# once (-n 0 in the session's arguments runs them in one process)
+PARALLEL = {"vllm": ["-n", "2", "--dist", "loadfile"]}
 
 
 def _pkg_dir(short: str) -> Path:
@@ -62,7 +66,8 @@ def tests(session: nox.Session, pkg: str) -> None:
     # the slowest tests are printed: CI's time is bounded (~30 min), tests(vllm) takes most of it
     session.run(
         "python", "-m", "pytest", "-q", "-p", "pytest_skips", "-m", "not gpu", "--durations=15",
-        str(_pkg_dir(pkg) / "tests"), *session.posargs, env={"PYTHONPATH": path},
+        *PARALLEL.get(pkg, []), str(_pkg_dir(pkg) / "tests"), *session.posargs,
+        env={"PYTHONPATH": path},
     )  # fmt: skip
 
 
