@@ -60,7 +60,8 @@ def tests(session: nox.Session, pkg: str) -> None:
         )
         session.run("cmake", "--build", str(build), external=True)
         session.run("ctest", "--test-dir", str(build), "--output-on-failure", external=True)
-    # the gpu marker is deselected, not skipped (ci/gpu.sh runs it); `-- -m gpu` selects it again;
+    # the gpu marker is deselected, not skipped (ci/gpu.sh runs it); `-- -n 0 -m gpu` selects it
+    # again (in one process: the GPU tests share one device);
     # ci/pytest_skips.py: with STRICT_SKIPS=1 (ci/test.sh) an unexpected skip fails the run
     path = os.pathsep.join(p for p in (str(ROOT / "ci"), os.environ.get("PYTHONPATH")) if p)
     # the slowest tests are printed: CI's time is bounded (~30 min), tests(vllm) takes most of it
