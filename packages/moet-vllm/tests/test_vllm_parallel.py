@@ -8,7 +8,7 @@ which the first boot refuses with that reason.
   and logprobs bit for bit; both ranks replayed the same passes.
 * TP2 against TP1: the same greedy tokens, and logprobs within BOUND (each rank's down
   projection sums half the intermediate and the all-reduce adds the halves: float32 sums in
-  another order; measured 1.4e-6 nats at most).
+  another order; measured 1.4e-6 nats at most with eager engines).
 * Ranks whose pools differ (rank 0 preheated from its saved hot set, rank 1 cold) still replay
   together: each pass's miss count is reduced (MAX) over the ranks, so a rank that missed nothing
   replays with the one that did (equal replay counts, unequal misses), and the tokens stay TP2
