@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -103,3 +104,51 @@ def test_info_for_official_and_moet_checkpoints(tmp_path, capsys):
     assert "moet checkpoint" in out and "pack cache" not in out
     assert cli.main(["info", str(tmp_path / "missing")]) == 2
     assert "config.json: not found" in capsys.readouterr().err
+
+
+def test_serve_refuses_bad_settings_and_files_before_vllm_starts(tmp_path, monkeypatch, capsys):
+    """`moet serve` resolves moet's settings and opens the experts first (cli.preflight_serve):
+    each mistake is one line naming its source and exit 2, where vLLM's engine process would
+    print a traceback after its start-up; models moet does not serve are vLLM's alone."""
+    from moet_quant import convert, synth
+
+    src = synth.write_checkpoint(
+        tmp_path / "src", "qwen3-moe", "bf16", n_layers=2, n_experts=4, hidden=64, inter=32
+    )
+    moet = tmp_path / "moet"
+    convert.convert(src, moet, progress=False)
+    for key in [k for k in os.environ if k.startswith("MOET_")]:
+        monkeypatch.delenv(key)
+
+    def refused(*args: str) -> str:
+        assert cli.main(["serve", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("moet: error: ") and err.count("\n") == 1, err
+        return err
+
+    cli.preflight_serve([str(moet), "--port", "8000"])  # a good checkpoint passes
+    cli.preflight_serve([str(src), "-q", "moet", "--tensor-parallel-size", "2"])
+    assert "'moet-pool'" in refused(
+        str(moet), "--additional-config", '{"moet": {"gpu_pool": "moet-pool"}}'
+    )
+    assert "unknown key(s) gpu_pol" in refused(
+        "--model", str(src), "--quantization=moet", '--additional-config={"moet": {"gpu_pol": 1}}'
+    )
+    monkeypatch.setenv("MOET_GPU_POL", "50%")
+    assert "unknown variable(s) MOET_GPU_POL" in refused(str(moet))
+    cli.preflight_serve([str(src)])  # not served by moet: its settings are not looked at
+    monkeypatch.delenv("MOET_GPU_POL")
+    monkeypatch.setenv("MOET_FP4_TIER", "fp4r")
+    assert "converted without" in refused(str(moet))  # the checkpoint has no FP4 planes
+    monkeypatch.delenv("MOET_FP4_TIER")
+    shard = next(moet.glob("*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    # the console script, as users run it: no traceback, and vLLM never started
+    proc = subprocess.run(
+        [sys.executable, "-m", "moet_vllm.cli", "serve", str(moet), "--port", "8000"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"moet: error: {shard}: tensor ") and "(truncated)" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr and not proc.stdout

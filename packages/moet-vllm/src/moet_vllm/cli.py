@@ -5,12 +5,15 @@ Subcommands of the components are theirs, not re-implemented here: `convert`, `i
 package's: it reports the vLLM version, the plugin's entry point, the kernels and the store.
 
 A user-facing error (an exception with a `.message`, e.g. `moet_quant.errors.MoetError`) prints one
-line to stderr and exits 2, with no traceback.
+line to stderr and exits 2, with no traceback. `serve` checks what moet will serve before vLLM
+starts (`preflight_serve`): past that point an error comes from vLLM's engine process, inside its
+traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -349,6 +352,54 @@ def _store_report(path: str | None) -> str:
     return "\n".join(["store:", *("  " + line for line in lines)])
 
 
+def _serve_option(args: list[str], *names: str) -> str | None:
+    """The value of vLLM option `names` (`--name VALUE` or `--name=VALUE`) in `args`, else None."""
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+            if arg.startswith(name + "="):
+                return arg[len(name) + 1 :]
+    return None
+
+
+def preflight_serve(args: list[str]) -> None:
+    """Before `moet serve ARGS` starts vLLM: for a local checkpoint moet will serve (a moet
+    checkpoint, or any with `--quantization moet`), resolve moet's settings as the engine will
+    (checkpoint, `--additional-config`, MOET_*) and open its experts as the engine will (every
+    shard's header and size checked, the expert tensors named), so that a misspelt setting or a
+    truncated shard is one line and exit 2 within seconds, not an engine process's traceback
+    after vLLM's start-up. No CUDA: this process stays without a device context. Everything
+    else (vLLM's own options, a model vLLM fetches) is left to vLLM."""
+    from pathlib import Path
+
+    model = args[0] if args and not args[0].startswith("-") else _serve_option(args, "--model")
+    if model is None or not (Path(model) / "config.json").is_file():
+        return
+    from moet_quant.checkpoint import read_config
+
+    from .config import resolve
+    from .experts import ExpertSource
+
+    qc = read_config(model).get("quantization_config") or {}
+    is_moet = qc.get("quant_method") == "moet"
+    if not is_moet and _serve_option(args, "--quantization", "-q") != "moet":
+        return
+    try:
+        extra = json.loads(_serve_option(args, "--additional-config") or "{}")
+    except json.JSONDecodeError:
+        extra = {}  # vLLM's parser refuses it, in its own words
+    cfg = resolve(qc if is_moet else None, extra if isinstance(extra, dict) else {},
+                  probe_device=False)  # fmt: skip
+    tp = _serve_option(args, "--tensor-parallel-size", "-tp") or "1"
+    src = ExpertSource.open(model, cfg, tp_rank=0, tp_size=int(tp) if tp.isdigit() else 1)
+    try:
+        if cfg.serves_fp4:
+            src.fp4_kind  # noqa: B018  (refuses an FP4 tier the checkpoint cannot serve)
+    finally:
+        src.close()
+
+
 def _user_error(exc: BaseException) -> str | None:
     """The one-line message of a moet user-facing error, else None (a bug: keep the traceback)."""
     message = getattr(exc, "message", None)
@@ -361,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["serve"]:
+            preflight_serve(argv[1:])
             compat.run_vllm_cli(argv)
             return 0
         parser = build_parser()

@@ -270,8 +270,11 @@ def resolve(
     checkpoint_qc: Mapping[str, Any] | None = None,
     additional_config: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    probe_device: bool = True,
 ) -> MoetConfig:
-    """Build the MoetConfig from its three sources (lowest precedence first) and validate it."""
+    """Build the MoetConfig from its three sources (lowest precedence first) and validate it.
+    `probe_device=False` leaves out the one check that initializes CUDA (compute='kernel': do
+    the kernels run here?), for a process that must not hold a CUDA context (`moet serve`'s)."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     origins: dict[str, str] = {}
@@ -318,12 +321,12 @@ def resolve(
         values[key] = _coerce(key, value, f"environment {env_name(key)}")
         origins[key] = f"environment {env_name(key)}"
     cfg = MoetConfig(**values, sources=origins)
-    _check_combinations(cfg)
+    _check_combinations(cfg, probe_device)
     return cfg
 
 
-def _check_combinations(cfg: MoetConfig) -> None:
-    if cfg.compute == "kernel":
+def _check_combinations(cfg: MoetConfig, probe_device: bool) -> None:
+    if cfg.compute == "kernel" and probe_device:
         from moet_kernels.loader import kernels_available
 
         ok, reason = kernels_available()

@@ -298,6 +298,18 @@ class MoetCheckpointSource(ExpertSource):
     def layer(self, model_layer: int) -> dict[str, np.ndarray]:
         return self._sections(model_layer, lambda base, codes: codes)
 
+    @property
+    def fp4_kind(self) -> str:
+        kind = super().fp4_kind
+        if kind == "fp4r" and self.qc_fp4_tier != "fp4r":
+            raise MoetVllmError(
+                f"{self.path}: fp4_tier='fp4r' serves the refinement planes of a moet checkpoint "
+                "converted with `moet convert --fp4-tier fp4r`, and this one was converted "
+                f"without (its fp4_tier is {self.qc_fp4_tier!r}): reconvert it with --fp4-tier "
+                "fp4r, serve the official checkpoint with --quantization moet, or fp4_tier='none'"
+            )
+        return kind
+
     def fp4_layer(self, model_layer: int) -> dict[str, np.ndarray]:
         if self.fp4_kind != "fp4r":  # the `.fp4_*` tensors `moet convert --fp4-tier fp4x` kept
             names = self._layer_names(model_layer)
@@ -307,13 +319,6 @@ class MoetCheckpointSource(ExpertSource):
                  for proj in PROJECTIONS}
                 for e in range(self.n_experts)
             ])  # fmt: skip
-        if self.qc_fp4_tier != "fp4r":
-            raise MoetVllmError(
-                f"{self.path}: fp4_tier='fp4r' serves the refinement planes of a moet checkpoint "
-                "converted with `moet convert --fp4-tier fp4r`, and this one was converted "
-                f"without (its fp4_tier is {self.qc_fp4_tier!r}): reconvert it with --fp4-tier "
-                "fp4r, serve the official checkpoint with --quantization moet, or fp4_tier='none'"
-            )
 
         def nibbles(base: str, codes: np.ndarray) -> np.ndarray:  # 2 a byte, as fp4r rows hold
             refine = self.st.array(base + ".fp4_refine")
