@@ -137,3 +137,30 @@ def test_the_tiered_host_tiers_arena_follows_host_arena(cfg, monkeypatch):
     with c.open_store("tiered") as store:  # auto: half of what is available
         assert store.arena_bytes == 3 * stride
     c.close()
+
+
+def test_load_session_counts_its_moe_layers_on_a_bar(tmp_path, capsys, monkeypatch):
+    """Re-quantizing a large official checkpoint at boot takes minutes: the load session shows a
+    bar over its MoE layers (TP rank 0, stderr a terminal), and none on other ranks."""
+    import sys
+
+    import torch
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from moet_quant import synth
+    from moet_vllm.loading import MoetLoadSession
+
+    src = synth.write_checkpoint(
+        tmp_path / "src", "qwen3-moe", "bf16", n_layers=2, n_experts=4, hidden=64, inter=64
+    )
+    cfg = resolve(None, None, {"MOET_CACHE_DIR": str(tmp_path / "cache")})
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    for tp_rank in (1, 0):
+        with set_current_vllm_config(VllmConfig()):  # a session is built inside an engine
+            session = MoetLoadSession(cfg, str(src), tp_rank, 2, False, torch.device("cpu"))
+        for layer in session.moe_layers:
+            session.rows(layer)
+        err = capsys.readouterr().err
+        shown = "moet: experts of 2 MoE layers (re-quantized at load)" in err
+        assert shown == (tp_rank == 0), err
+    assert "2/2" in err and "layer/s" in err, err

@@ -8,18 +8,26 @@ from contextlib import contextmanager
 from tqdm import tqdm
 
 
-@contextmanager
-def progress_bar(total: int, desc: str, enabled: bool | None = None, unit: str = "B"):
-    """`enabled` None shows the bar only when stderr is a terminal."""
+def new_bar(
+    total: int, desc: str, enabled: bool | None = None, unit: str = "B", unit_scale: bool = True
+) -> tqdm:
+    """A bar to update and close by hand; `enabled` None shows it only when stderr is a
+    terminal."""
     show = sys.stderr.isatty() if enabled is None else enabled
-    with tqdm(
+    return tqdm(
         total=total,
         desc=desc,
         unit=unit,
-        unit_scale=True,
+        unit_scale=unit_scale,
         unit_divisor=1024,
         disable=not show,
         file=sys.stderr,
         dynamic_ncols=True,
-    ) as bar:
+    )
+
+
+@contextmanager
+def progress_bar(total: int, desc: str, enabled: bool | None = None, unit: str = "B"):
+    """`new_bar` for a `with` block."""
+    with new_bar(total, desc, enabled, unit) as bar:
         yield bar

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import torch
 
+from moet_quant.progress import new_bar
+
 from . import compat
 from .config import MoetConfig
 from .experts import ExpertSource, OfficialSource
@@ -73,6 +75,14 @@ class MoetLoadSession:
         self.pending = set(self.moe_layers)
         self.from_pack = self.quantized = 0
         self.seconds = self.pack_seconds = 0.0
+        # re-quantizing a large official checkpoint takes minutes: a bar (TP rank 0, a terminal)
+        self.bar = new_bar(
+            len(self.moe_layers),
+            f"moet: experts of {len(self.moe_layers)} MoE layers ({self.source.kind})",
+            None if tp_rank == 0 else False,
+            unit="layer",
+            unit_scale=False,
+        )
         log.info(
             "moet: experts of %s: %s (%s, %d MoE layers x %d experts%s%s); %s rows; pack cache %s",
             model_path,
@@ -116,8 +126,11 @@ class MoetLoadSession:
                     "give it a writable cache_dir with room for the experts, or gpu_pool='all'"
                 )
         self.seconds += time.perf_counter() - t0
-        self.pending.discard(model_layer)
+        if model_layer in self.pending:
+            self.pending.discard(model_layer)
+            self.bar.update(1)
         if not self.pending:
+            self.bar.close()
             log.info(
                 "moet: expert weights ready in %.2f s: %d layers %s, %d from the pack cache%s",
                 self.seconds,
