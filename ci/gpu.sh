@@ -54,8 +54,9 @@ run_file() {  # budget in seconds, test file (or node id)
 }
 # budgets: ~35 s of installs + 330 + 220 s stay inside one 600 s device call (stage and install
 # vLLM in an earlier call). Side by side, the slowest files took 242-284 s on H200s and H100s
-# (2026-12-01 to 12-06) and 293-300 s on one H100 (run 30), where alone they took 52-121 s; the
-# memory file's 3 boots took 130-164 s alone
+# (2026-12-01 to 12-06) and 293-327 s on two H100 leases (runs 30 and 32: three files each past
+# 330 s, rerun alone by naming them), where alone they took 52-121 s; the memory file's 3 boots
+# took 130-173 s alone. The call leaves no slack to raise either budget
 for f in "${parallel[@]}"; do run_file 330 "$f" & done
 wait
 for f in "${alone[@]}"; do run_file 220 "$f"; done
