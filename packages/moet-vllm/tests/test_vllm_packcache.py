@@ -2,9 +2,11 @@
 
 import logging
 import subprocess
+import sys
 
 import numpy as np
 import pytest
+import torch
 
 from moet_kernels.layout import NativeRowLayout, RowLayout
 from moet_vllm.config import resolve
@@ -142,9 +144,6 @@ def test_the_tiered_host_tiers_arena_follows_host_arena(cfg, monkeypatch):
 def test_load_session_counts_its_moe_layers_on_a_bar(tmp_path, capsys, monkeypatch):
     """Re-quantizing a large official checkpoint at boot takes minutes: the load session shows a
     bar over its MoE layers (TP rank 0, stderr a terminal), and none on other ranks."""
-    import sys
-
-    import torch
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from moet_quant import synth
