@@ -119,8 +119,10 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
 }
 
 // A work item's activation columns, per n-tile n of its job: the int8 row of column g (token of
-// pair 8n + g; null for an empty slot), the activation scales of columns 2tig and 2tig + 1 and
-// their pairs (where the epilogue writes).
+// pair 8n + g), the activation scales of columns 2tig and 2tig + 1 and their pairs (where the
+// epilogue writes). An empty slot reads the rows of the job's first pair (never empty), so the
+// loads need no predicate and no zeroed registers: its column's sums are computed and never
+// written (an mma's column n depends on column n of B alone).
 template <int NT>
 struct Cols {
   const int8_t* act_g[NT];
@@ -140,6 +142,10 @@ struct ChunkT {
   static constexpr int kCodeBytes = CODE_CHUNK * CW / 4;  // per (64-row group, K chunk)
   static constexpr int kScaleHead = 0;                    // scale bytes per group before chunk 0
   static constexpr int kScaleBytes = SCALE_CHUNK;         // per (64-row group, K chunk)
+  static constexpr int kPieces = CW / 4;                  // 16-byte code pieces per row tile
+  // a lane's first scale word (row g of row tile 0) and activation byte (its 32-block tig)
+  __device__ static int scale_lane(int g, int) { return g * 8; }
+  __device__ static int act_lane(int tig) { return tig * 32; }
   uint4 cw[CW];
   uint2 sw[4];
   uint32_t slow;
@@ -151,32 +157,67 @@ using Chunk = ChunkT<4, NT>;
 template <int NT>
 using ChunkFp4 = ChunkT<8, NT>;
 
-template <int CW, int NT>
-__device__ __forceinline__ void load_chunk(ChunkT<CW, NT>& k, const uint8_t* codes,
-                                           const uint8_t* scales, int c, const Cols<NT>& cols,
-                                           int lane) {
-  const int tig = lane & 3, g = lane >> 2;
-  constexpr int PER = CW / 4;  // pieces per lane and row tile
-  const uint8_t* cc = codes + (size_t)c * ChunkT<CW, NT>::kCodeBytes;
+// A warp's read positions in a work item: its lane's addresses at its current chunk, stepped by
+// a constant once per loop iteration, the chunks ahead read at immediate offsets from them. The
+// loop then computes no 64-bit address from the chunk index (about 24 instructions a chunk
+// before: docs/kernels-design.md).
+template <class K>
+struct Cursor {
+  static constexpr int NT = K::kTiles;
+  const uint8_t* code;   // the lane's first code piece
+  const uint8_t* scale;  // the lane's first scale word
+  const uint8_t* chunk;  // the chunk's scale record (the slow-tile flags)
+  const int8_t* act[NT];
+  const float* as0[NT];
+  const float* as1[NT];
+  __device__ __forceinline__ Cursor(const uint8_t* codes, const uint8_t* scales,
+                                    const Cols<NT>& cols, int c, int lane) {
+    const int g = lane >> 2, tig = lane & 3;
+    code = codes + (size_t)c * K::kCodeBytes + lane * K::kPieces * 16;
+    chunk = scales + (size_t)c * K::kScaleBytes;
+    scale = chunk + K::scale_lane(g, tig);
 #pragma unroll
-  for (int q = 0; q < CW; ++q)
-    k.cw[q] = ld_stream16(cc + (q / PER) * 512 * PER + (lane * PER + q % PER) * 16);
+    for (int n = 0; n < NT; ++n) {
+      act[n] = cols.act_g[n] + c * KCHUNK + K::act_lane(tig);
+      as0[n] = cols.as0[n] + c;
+      as1[n] = cols.as1[n] + c;
+    }
+  }
+  template <int C>
+  __device__ __forceinline__ void step() {
+    code += C * K::kCodeBytes;
+    scale += C * K::kScaleBytes;
+    chunk += C * K::kScaleBytes;
 #pragma unroll
-  for (int rt = 0; rt < 4; ++rt)
-    k.sw[rt] = ld_stream8(scales + (size_t)c * SCALE_CHUNK + rt * 64 + g * 8);
-  k.slow = ld_stream4(scales + (size_t)c * SCALE_CHUNK + SLOW_FLAGS);
+    for (int n = 0; n < NT; ++n) {
+      act[n] += C * KCHUNK;
+      as0[n] += C;
+      as1[n] += C;
+    }
+  }
+};
+
+// Loads the chunk D chunks past the cursor's.
+template <int D, int CW, int NT>
+__device__ __forceinline__ void load_chunk(ChunkT<CW, NT>& k, const Cursor<ChunkT<CW, NT>>& at) {
+  using K = ChunkT<CW, NT>;
+  constexpr int PER = K::kPieces;
+  const uint8_t* cc = at.code + D * K::kCodeBytes;
+#pragma unroll
+  for (int q = 0; q < CW; ++q) k.cw[q] = ld_stream16(cc + (q / PER) * 512 * PER + (q % PER) * 16);
+  const uint8_t* sc = at.scale + D * SCALE_CHUNK;
+#pragma unroll
+  for (int rt = 0; rt < 4; ++rt) k.sw[rt] = ld_stream8(sc + rt * 64);
+  k.slow = ld_stream4(at.chunk + D * SCALE_CHUNK + SLOW_FLAGS);
   // FP4 levels are 2 * e2m1: their half scale goes with the activation scale (exact)
   constexpr float HALF = CW == 8 ? 0.5f : 1.f;
 #pragma unroll
   for (int n = 0; n < NT; ++n) {
-    k.b_lo[n] = k.b_hi[n] = make_uint4(0, 0, 0, 0);
-    if (cols.act_g[n]) {
-      const uint4* p = reinterpret_cast<const uint4*>(cols.act_g[n] + c * KCHUNK + tig * 32);
-      k.b_lo[n] = p[0];
-      k.b_hi[n] = p[1];
-    }
-    k.x0[n] = cols.as0[n] ? HALF * cols.as0[n][c] : 0.f;
-    k.x1[n] = cols.as1[n] ? HALF * cols.as1[n][c] : 0.f;
+    const uint4* p = reinterpret_cast<const uint4*>(at.act[n] + D * KCHUNK);
+    k.b_lo[n] = p[0];
+    k.b_hi[n] = p[1];
+    k.x0[n] = HALF * at.as0[n][D];
+    k.x1[n] = HALF * at.as1[n][D];
   }
 }
 
@@ -385,26 +426,26 @@ struct Nvfp4Chunk {
   static constexpr int kCodeBytes = 2 * CODE_CHUNK;
   static constexpr int kScaleHead = 256;   // the group's 64 float32 scale_2, before its chunks
   static constexpr int kScaleBytes = 512;  // 4 row tiles x 8 lane groups x 8 blocks x 2 rows
+  static constexpr int kPieces = 2;        // 16-byte code pieces per row tile
+  __device__ static int scale_lane(int g, int tig) { return tig * 128 + g * 16; }
+  __device__ static int act_lane(int tig) { return 4 * tig; }
   uint4 cw[8];    // row tile rt, k16 tile kt: cw[2rt + kt / 4], word kt % 4
   uint4 sw;       // row tile tig (the quad shares them): byte 2kt + j: row g + 8j, block kt
   uint32_t b[8];  // k16 tile kt: k 16kt + 4tig .. + 3 of column g
   float x0, x1;
 };
 
-__device__ __forceinline__ void load_chunk(Nvfp4Chunk& k, const uint8_t* codes,
-                                           const uint8_t* scales, int c, const Cols<1>& cols,
-                                           int lane) {
-  const int g = lane >> 2, tig = lane & 3;
-  const uint8_t* cc = codes + (size_t)c * Nvfp4Chunk::kCodeBytes;
+template <int D>
+__device__ __forceinline__ void load_chunk(Nvfp4Chunk& k, const Cursor<Nvfp4Chunk>& at) {
+  const uint8_t* cc = at.code + D * Nvfp4Chunk::kCodeBytes;
 #pragma unroll
-  for (int q = 0; q < 8; ++q) k.cw[q] = ld_stream16(cc + (q / 2) * 1024 + (lane * 2 + q % 2) * 16);
-  k.sw = ld_stream16(scales + (size_t)c * Nvfp4Chunk::kScaleBytes + tig * 128 + g * 16);
-  const int8_t* act = cols.act_g[0];
+  for (int q = 0; q < 8; ++q) k.cw[q] = ld_stream16(cc + (q / 2) * 1024 + (q % 2) * 16);
+  k.sw = ld_stream16(at.scale + D * Nvfp4Chunk::kScaleBytes);
+  const int8_t* act = at.act[0] + D * KCHUNK;
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt)
-    k.b[kt] = act ? *reinterpret_cast<const uint32_t*>(act + c * KCHUNK + 16 * kt + 4 * tig) : 0u;
-  k.x0 = cols.as0[0] ? 0.5f * cols.as0[0][c] : 0.f;  // levels are 2 * e2m1
-  k.x1 = cols.as1[0] ? 0.5f * cols.as1[0][c] : 0.f;
+  for (int kt = 0; kt < 8; ++kt) k.b[kt] = *reinterpret_cast<const uint32_t*>(act + 16 * kt);
+  k.x0 = 0.5f * at.as0[0][D];  // levels are 2 * e2m1
+  k.x1 = 0.5f * at.as1[0][D];
 }
 
 // Byte j of a scale half-word as float32: the e4m3's 7 magnitude bits (the packer refuses a
@@ -486,14 +527,16 @@ __device__ __forceinline__ void gemm64(float (&f)[K::kTiles][4][4], const uint8_
       for (int j = 0; j < 4; ++j) f[n][rt][j] = 0.f;
   if (warp >= nchunks) return;
   K a, b;  // ping-pong: no register copies between iterations
-  load_chunk(a, codes, scales, warp, cols, lane);
+  Cursor<K> at(codes, scales, cols, warp, lane);
+  load_chunk<0>(a, at);
 #pragma unroll 1
   for (int c = warp; c < nchunks; c += 2 * WARPS) {
-    if (c + WARPS < nchunks) load_chunk(b, codes, scales, c + WARPS, cols, lane);
+    if (c + WARPS < nchunks) load_chunk<WARPS>(b, at);
     mma_chunk(f, a, lane & 3);
     if (c + WARPS >= nchunks) break;
-    if (c + 2 * WARPS < nchunks) load_chunk(a, codes, scales, c + 2 * WARPS, cols, lane);
+    if (c + 2 * WARPS < nchunks) load_chunk<2 * WARPS>(a, at);
     mma_chunk(f, b, lane & 3);
+    at.template step<2 * WARPS>();
   }
 }
 
@@ -1007,9 +1050,10 @@ __device__ __forceinline__ Cols<NT> job_cols(const int* pairs, const int8_t* act
   for (int n = 0; n < NT; ++n) {
     const int pg = pairs[TOK * n + g], p0 = pairs[TOK * n + 2 * tig],
               p1 = pairs[TOK * n + 2 * tig + 1];
-    c.act_g[n] = pg >= 0 ? act + (size_t)row_of(pg) * act_row : nullptr;
-    c.as0[n] = p0 >= 0 ? scale + (size_t)row_of(p0) * chunks : nullptr;
-    c.as1[n] = p1 >= 0 ? scale + (size_t)row_of(p1) * chunks : nullptr;
+    const auto at = [&](int p) { return row_of(p >= 0 ? p : pairs[0]); };
+    c.act_g[n] = act + (size_t)at(pg) * act_row;
+    c.as0[n] = scale + (size_t)at(p0) * chunks;
+    c.as1[n] = scale + (size_t)at(p1) * chunks;
     c.p0[n] = p0;
     c.p1[n] = p1;
   }
