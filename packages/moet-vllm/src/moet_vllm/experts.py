@@ -43,26 +43,30 @@ from .config import MoetConfig
 PROJECTIONS = ("gate", "up", "down")
 
 
+def check_tp_split(inter: int, tp_size: int, where: str) -> None:
+    """Refuses a tensor-parallel size that does not give each rank whole 32-blocks of the
+    experts' intermediate size (the W2 scale blocks of the down projection run along it)."""
+    if inter % tp_size or (inter // tp_size) % w2.BLOCK:
+        raise MoetVllmError(
+            f"{where}: intermediate size {inter} split {tp_size} ways is not a multiple of "
+            f"{w2.BLOCK} per rank; use a tensor-parallel size that divides "
+            f"{inter // w2.BLOCK} blocks"
+        )
+
+
 def shard_w2(t: w2.W2Tensor, proj: str, tp_rank: int, tp_size: int, where: str) -> w2.W2Tensor:
     """This rank's part of one projection: gate/up rows [I/tp], down columns [I/tp] of K. `t`
     holds codes [N, K/c] (W2: c = 4; FP4 nibbles: c = 2) and UE8M0 scales [N, K/32]."""
     if tp_size == 1:
         return t
     n, k = t.scales.shape[0], t.scales.shape[1] * w2.BLOCK
+    check_tp_split(k if proj == "down" else n, tp_size, where)
     if proj == "down":
-        if (k // tp_size) % w2.BLOCK or k % tp_size:
-            raise MoetVllmError(
-                f"{where}: intermediate size {k} split {tp_size} ways is not a "
-                f"multiple of {w2.BLOCK} per rank; use a tensor-parallel size "
-                f"that divides {k // w2.BLOCK} blocks"
-            )
         c, s = t.codes.shape[1] // tp_size, k // tp_size // w2.BLOCK
         return w2.W2Tensor(
             t.codes[:, tp_rank * c : (tp_rank + 1) * c],
             t.scales[:, tp_rank * s : (tp_rank + 1) * s],
         )
-    if n % tp_size:
-        raise MoetVllmError(f"{where}: intermediate size {n} does not split {tp_size} ways")
     r = n // tp_size
     return w2.W2Tensor(
         t.codes[tp_rank * r : (tp_rank + 1) * r], t.scales[tp_rank * r : (tp_rank + 1) * r]
