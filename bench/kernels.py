@@ -68,13 +68,14 @@ VLLM_US = {
 }
 
 
-def nvcc_cubin(flags: str) -> tuple[subprocess.Popen, Path]:
-    """Starts nvcc on csrc/w2_moe.cu for this GPU with extra `flags` (-D ...), into a new folder:
-    (the process, the folder), which `wait_cubin` finishes. Several can compile side by side."""
+def nvcc_cubin(flags: str, source: Path | None = None) -> tuple[subprocess.Popen, Path]:
+    """Starts nvcc on csrc/w2_moe.cu (or `source`, another version of it) for this GPU with extra
+    `flags` (-D ...), into a new folder: (the process, the folder), which `wait_cubin` finishes.
+    Several can compile side by side."""
     out = Path(tempfile.mkdtemp(prefix="moet-cubins-"))
     major, minor = torch.cuda.get_device_capability()
     arch = {(9, 0): "90a", (10, 0): "100a", (12, 0): "120a"}[(major, minor)]
-    src = ROOT / "packages" / "moet-kernels" / "csrc" / "w2_moe.cu"
+    src = source or ROOT / "packages" / "moet-kernels" / "csrc" / "w2_moe.cu"
     cmd = ["nvcc", "-cubin", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas",
            "-v", *flags.split(), "-o", str(out / f"w2_moe.sm_{arch}.cubin"), str(src)]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out

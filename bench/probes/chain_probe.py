@@ -6,6 +6,9 @@
     python3 bench/probes/chain_probe.py --variant base= --variant b4=-DGEMM_BLOCKS=4 [--rounds 3]
         # an A/B: every variant built here (nvcc side by side), timed in turn on the same layers,
         # in rounds of alternating order; the JSON's `variants` has each one's median per stage
+    git show REV:packages/moet-kernels/csrc/w2_moe.cu > old.cu  # another version of the source
+    python3 bench/probes/chain_probe.py --variant old=@old.cu --variant new=
+        # `@FILE [FLAGS]` builds FILE instead of this checkout's w2_moe.cu (same kernel ABI)
 
 The op (select -> route -> w13 -> requant -> w2 -> combine) is captured in one CUDA graph over 8
 layers of distinct pools (L2 defeated, as bench/kernels.py times it) and replayed, once per prefix
@@ -101,6 +104,15 @@ def medians(rows: list[dict]) -> dict:
     return {k: {s: median(v) for s, v in stages.items()} for k, stages in out.items()}
 
 
+def build_of(spec: str) -> tuple[str, Path | None]:
+    """A variant's (nvcc flags, source): `-D...` builds this checkout's w2_moe.cu, `@FILE -D...`
+    builds FILE."""
+    if not spec.startswith("@"):
+        return spec, None
+    source, _, flags = spec[1:].partition(" ")
+    return flags, Path(source).resolve()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="glm-4.5-air", choices=sorted(kb.SHAPES))
@@ -116,14 +128,15 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=FLAGS",
-        help="a build of this checkout with nvcc FLAGS (-D ...), for an A/B in one process",
+        help="a build of this checkout with nvcc FLAGS (-D ...), or of another version of "
+        "w2_moe.cu (FLAGS `@FILE [-D ...]`), for an A/B in one process",
     )
     ap.add_argument("--rounds", type=int, default=2, help="--variant: rounds over the variants")
     ap.add_argument("--out")
     args = ap.parse_args()
     variants = dict(v.partition("=")[::2] for v in args.variant)
     if variants:  # built side by side; each round times them all, the order alternating
-        jobs = {name: kb.nvcc_cubin(flags) for name, flags in variants.items()}
+        jobs = {name: kb.nvcc_cubin(*build_of(flags)) for name, flags in variants.items()}
         folders = {name: kb.wait_cubin(job) for name, job in jobs.items()}
         os.environ["MOET_KERNELS_CUBIN_DIR"] = str(next(iter(folders.values())))
         names = list(variants)
