@@ -1,4 +1,9 @@
-"""One GLM-5.2 MoE layer at a decode batch, for Nsight Compute (bench/h200/kernels.sh NCU=1)."""
+"""One MoE layer at a decode batch, for Nsight Compute (bench/h200/kernels.sh NCU=1 runs it).
+
+    python3 bench/probes/kernels_ncu.py [TOKENS] [SHAPE]   # default: 8 tokens, glm-5.2
+    ncu --clock-control none -k regex:moet_w -c 2 --set full -o rep \
+        python3 bench/probes/kernels_ncu.py 32 glm-4.5-air   # w13 and w2 at batch 32
+"""
 
 import sys
 from pathlib import Path
@@ -8,9 +13,10 @@ import kernels as kb  # bench/kernels.py  # noqa: E402
 import torch  # noqa: E402
 
 n_tok = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+shape = sys.argv[2] if len(sys.argv) > 2 else "glm-5.2"
 kb.build_cubin()
 gen = torch.Generator(device="cuda").manual_seed(0)
-h, i, e, k = kb.SHAPES["glm-5.2"]
+h, i, e, k = kb.SHAPES[shape]
 layer = kb.Layer(h, i, e, gen, keep_logical=False)
 ids, w = kb.routing(n_tok, e, k, gen)
 x = torch.randn(n_tok, h, device="cuda", generator=gen).to(torch.bfloat16)
