@@ -369,9 +369,8 @@ def preflight_serve(args: list[str]) -> None:
     as the engine will (every shard's header and size checked, the expert tensors named, their
     split over `--tensor-parallel-size`), so that a misspelt setting, a truncated shard or a
     tensor-parallel size moet cannot split is one line and exit 2 within seconds, not an engine
-    process's traceback
-    after vLLM's start-up. No CUDA: this process stays without a device context. Everything
-    else (vLLM's own options, a model vLLM fetches) is left to vLLM."""
+    process's traceback after vLLM's start-up. No CUDA: this process stays without a device
+    context. Everything else (vLLM's own options, a model vLLM fetches) is left to vLLM."""
     from pathlib import Path
 
     model = args[0] if args and not args[0].startswith("-") else _serve_option(args, "--model")
