@@ -56,6 +56,14 @@ constexpr int ROUTE_THREADS = 256;
 #ifndef GEMM_BLOCKS_FP4
 #define GEMM_BLOCKS_FP4 2
 #endif
+// Warps that share one work item's K (chunks part, part + SPLIT, ...); a CTA takes WARPS / SPLIT
+// items at a time. Build knobs for an A/B run (chain_probe.py --variant).
+#ifndef W13_SPLIT
+#define W13_SPLIT 4
+#endif
+#ifndef W2_SPLIT
+#define W2_SPLIT 4
+#endif
 constexpr int MAX_EXPERTS = 1024;
 
 __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
@@ -205,10 +213,10 @@ __device__ __forceinline__ void load_chunk(ChunkT<CW, NT>& k, const Cursor<Chunk
   const uint8_t* cc = at.code + D * K::kCodeBytes;
 #pragma unroll
   for (int q = 0; q < CW; ++q) k.cw[q] = ld_stream16(cc + (q / PER) * 512 * PER + (q % PER) * 16);
-  const uint8_t* sc = at.scale + D * SCALE_CHUNK;
+  const uint8_t* sc = at.scale + D * K::kScaleBytes;
 #pragma unroll
   for (int rt = 0; rt < 4; ++rt) k.sw[rt] = ld_stream8(sc + rt * 64);
-  k.slow = ld_stream4(at.chunk + D * SCALE_CHUNK + SLOW_FLAGS);
+  k.slow = ld_stream4(at.chunk + D * K::kScaleBytes + SLOW_FLAGS);
   // FP4 levels are 2 * e2m1: their half scale goes with the activation scale (exact)
   constexpr float HALF = CW == 8 ? 0.5f : 1.f;
 #pragma unroll
@@ -515,44 +523,65 @@ __device__ __forceinline__ void scale_rows(float (&f)[K::kTiles][4][4], const ui
 // activation columns. f[n][rt][0..3]: rows rt*16 + g (0, 1) and + 8 (2, 3), columns 2*tig and
 // 2*tig+1 of n-tile n. The next chunk's loads are issued before the current chunk's math (two
 // chunks in flight).
-template <class K>
+template <class K, int S>
 __device__ __forceinline__ void gemm64(float (&f)[K::kTiles][4][4], const uint8_t* codes,
                                        const uint8_t* scales, int nchunks,
-                                       const Cols<K::kTiles>& cols, int warp, int lane) {
+                                       const Cols<K::kTiles>& cols, int part, int lane) {
 #pragma unroll
   for (int n = 0; n < K::kTiles; ++n)
 #pragma unroll
     for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
       for (int j = 0; j < 4; ++j) f[n][rt][j] = 0.f;
-  if (warp >= nchunks) return;
+  if (part >= nchunks) return;
   K a, b;  // ping-pong: no register copies between iterations
-  Cursor<K> at(codes, scales, cols, warp, lane);
+  Cursor<K> at(codes, scales, cols, part, lane);
   load_chunk<0>(a, at);
 #pragma unroll 1
-  for (int c = warp; c < nchunks; c += 2 * WARPS) {
-    if (c + WARPS < nchunks) load_chunk<WARPS>(b, at);
+  for (int c = part; c < nchunks; c += 2 * S) {
+    if (c + S < nchunks) load_chunk<S>(b, at);
     mma_chunk(f, a, lane & 3);
-    if (c + WARPS >= nchunks) break;
-    if (c + 2 * WARPS < nchunks) load_chunk<2 * WARPS>(a, at);
+    if (c + S >= nchunks) break;
+    if (c + 2 * S < nchunks) load_chunk<2 * S>(a, at);
     mma_chunk(f, b, lane & 3);
-    at.template step<2 * WARPS>();
+    at.template step<2 * S>();
   }
 }
 
-// Sums the 4 warps' partials in warp order into warp 0's f (deterministic).
-template <int NT>
-__device__ __forceinline__ void reduce_warps(float (&f)[NT][4][4], float (*red)[16 * NT][32],
-                                             int warp, int lane) {
+// The S warps of a CTA that share one work item (S = 1, 2 or 4): team `slot` of the CTA's
+// WARPS / S, this warp its part `part`; a barrier of the team alone (named barrier 1 + slot; the
+// CTA's for S = WARPS), so teams run through their items independently.
+template <int S>
+struct Team {
+  static_assert(S == 1 || S == 2 || S == WARPS, "a team is 1, 2 or all 4 warps");
+  static constexpr int kSlots = WARPS / S;
+  int slot, part;
+  __device__ explicit Team(int warp) : slot(warp / S), part(warp % S) {}
+  __device__ __forceinline__ void sync() const {
+    if (S == WARPS)
+      __syncthreads();
+    else if (S == 2 && slot == 0)  // immediate barrier ids: ptxas reserves all 16 for a register
+      asm volatile("bar.sync 1, 64;" ::: "memory");
+    else if (S == 2)
+      asm volatile("bar.sync 2, 64;" ::: "memory");
+  }
+};
+
+// Sums the team's partials in part order into part 0's f (deterministic); `red` is the CTA's.
+template <int S, int NT>
+__device__ __forceinline__ void reduce_team(float (&f)[NT][4][4], float (*red)[16 * NT][32],
+                                            const Team<S>& team, int lane) {
+  if (S == 1) return;
+  const int w0 = team.slot * S;
 #pragma unroll
-  for (int i = 0; i < 16 * NT; ++i) red[warp][i][lane] = f[i >> 4][(i >> 2) & 3][i & 3];
-  __syncthreads();
-  if (warp == 0) {
+  for (int i = 0; i < 16 * NT; ++i) red[w0 + team.part][i][lane] = f[i >> 4][(i >> 2) & 3][i & 3];
+  team.sync();
+  if (team.part == 0) {
 #pragma unroll
     for (int i = 0; i < 16 * NT; ++i) {
-      float v = red[0][i][lane];
+      float v = red[w0][i][lane];
 #pragma unroll
-      for (int w = 1; w < WARPS; ++w) v = __fadd_rn(v, red[w][i][lane]);
+      for (int w = 1; w < S; ++w) v = __fadd_rn(v, red[w0 + w][i][lane]);
       f[i >> 4][(i >> 2) & 3][i & 3] = v;
     }
   }
@@ -1087,7 +1116,7 @@ struct JobRows {
 
 // Gate/up for (job, unit of 32 intermediate rows): rows [gate 32u.., up 32u..] of the expert,
 // SiLU(gate) * up in float32 (h [pair, inter_p]); moet_requant quantizes it per 128.
-template <class K>
+template <class K, int S>
 __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, const uint8_t* pool2,
                                     long long slot_bytes2, long long off_codes,
                                     long long off_scales, int n_units, int nchunks,
@@ -1097,10 +1126,12 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, c
   pdl_enter();
   constexpr int NT = K::kTiles;
   __shared__ float red[WARPS][16 * NT][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const Team<S> team(threadIdx.x >> 5);
   const JobRows jobs(pool, slot_bytes, pool2, slot_bytes2, job_range);
   const int work = (jobs.end - jobs.first) * n_units;
-  for (int item = blockIdx.x; item < work; item += gridDim.x) {
+  for (int item = blockIdx.x * team.kSlots + team.slot; item < work;
+       item += gridDim.x * team.kSlots) {
     const int job = jobs.first + item / n_units, u = item % n_units;
     const uint8_t* row = jobs.row(job, job_slot);
     const int* pairs = job_pairs + job * TOK * NT;
@@ -1109,10 +1140,10 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, c
     const uint8_t* gs =  // the group's scales (its head, then its chunks)
         row + off_scales + (size_t)u * nchunks * K::kScaleBytes + (size_t)u * K::kScaleHead;
     float f[NT][4][4];
-    gemm64<K>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead, nchunks,
-              cols, warp, lane);
-    reduce_warps(f, red, warp, lane);
-    if (warp == 0) {
+    gemm64<K, S>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead,
+                 nchunks, cols, team.part, lane);
+    reduce_team(f, red, team, lane);
+    if (team.part == 0) {
       scale_rows<K>(f, gs, g);
       // f[n][rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8,
       // 16+g, 24+g of this unit; columns 2tig (j even) and 2tig+1 of n-tile n
@@ -1130,7 +1161,7 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, c
           }
         }
     }
-    __syncthreads();  // red is reused by the next item
+    team.sync();  // red is reused by the next item
   }
 }
 
@@ -1156,7 +1187,7 @@ extern "C" __global__ void moet_requant(const float* h, const uint8_t* pair_ok, 
 }
 
 // Down projection for (job, group of 64 output rows): y[pair][row] in float32.
-template <class K>
+template <class K, int S>
 __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, const uint8_t* pool2,
                                    long long slot_bytes2, long long off_codes, long long off_scales,
                                    int n_groups, int nchunks, const int8_t* aq, const float* as,
@@ -1165,10 +1196,12 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
   pdl_enter();
   constexpr int NT = K::kTiles;
   __shared__ float red[WARPS][16 * NT][32];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+  const Team<S> team(threadIdx.x >> 5);
   const JobRows jobs(pool, slot_bytes, pool2, slot_bytes2, job_range);
   const int work = (jobs.end - jobs.first) * n_groups;
-  for (int item = blockIdx.x; item < work; item += gridDim.x) {
+  for (int item = blockIdx.x * team.kSlots + team.slot; item < work;
+       item += gridDim.x * team.kSlots) {
     const int job = jobs.first + item / n_groups, rg = item % n_groups;
     const uint8_t* row = jobs.row(job, job_slot);
     const int* pairs = job_pairs + job * TOK * NT;
@@ -1177,10 +1210,10 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
     const uint8_t* gs =
         row + off_scales + (size_t)rg * nchunks * K::kScaleBytes + (size_t)rg * K::kScaleHead;
     float f[NT][4][4];
-    gemm64<K>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
-              nchunks, cols, warp, lane);
-    reduce_warps(f, red, warp, lane);
-    if (warp == 0) {
+    gemm64<K, S>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
+                 nchunks, cols, team.part, lane);
+    reduce_team(f, red, team, lane);
+    if (team.part == 0) {
       scale_rows<K>(f, gs, g);
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -1193,7 +1226,7 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
             if (pair >= 0 && r < hidden) y[(size_t)pair * hidden + r] = f[n][rt][j];
           }
     }
-    __syncthreads();
+    team.sync();  // red is reused by the next item
   }
 }
 
@@ -1206,7 +1239,7 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
       long long off_codes, long long off_scales, int n_units, int nchunks, const int8_t* xq,      \
       const float* xs, int hidden_p, int top_k, const int* job_range, const int* job_slot,        \
       const int* job_pairs, float* h, int inter_p) {                                              \
-    w13<K>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_units, nchunks, xq, xs, \
+    w13<K, W13_SPLIT>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_units, nchunks, xq, xs, \
            hidden_p, top_k, job_range, job_slot, job_pairs, h, inter_p);                          \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
@@ -1214,7 +1247,7 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
       long long off_codes, long long off_scales, int n_groups, int nchunks, const int8_t* aq,     \
       const float* as, int inter_p, const int* job_range, const int* job_slot,                    \
       const int* job_pairs, float* y, int hidden) {                                               \
-    w2<K>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_groups, nchunks, aq, as, \
+    w2<K, W2_SPLIT>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_groups, nchunks, aq, as, \
           inter_p, job_range, job_slot, job_pairs, y, hidden);                                    \
   }
 MOET_GEMMS(, Chunk<1>, GEMM_BLOCKS)
