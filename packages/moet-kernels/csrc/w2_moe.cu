@@ -62,7 +62,7 @@ constexpr int ROUTE_THREADS = 256;
 #define W13_SPLIT 4
 #endif
 #ifndef W2_SPLIT
-#define W2_SPLIT 4
+#define W2_SPLIT 2
 #endif
 // 1: each warp of a team reduces and writes its share of the item's outputs (owner(), below)
 // instead of part 0 all of them (an A/B knob).
