@@ -1247,22 +1247,23 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
 // Entry points: W2 rows, FP4 rows (fp4r, fp4x-mxfp4) and NVFP4 rows (fp4x-nvfp4) share everything
 // but the chunk type. W2 and FP4 also come for prefill jobs of 16 pairs (suffix _t16: two n-tiles
 // share each decoded fragment); NVFP4 has no such variant (two tiles would spill).
-#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                             \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(                 \
-      const uint8_t* pool, long long slot_bytes, const uint8_t* pool2, long long slot_bytes2,     \
-      long long off_codes, long long off_scales, int n_units, int nchunks, const int8_t* xq,      \
-      const float* xs, int hidden_p, int top_k, const int* job_range, const int* job_slot,        \
-      const int* job_pairs, float* h, int inter_p) {                                              \
-    w13<K, W13_SPLIT>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_units, nchunks, xq, xs, \
-           hidden_p, top_k, job_range, job_slot, job_pairs, h, inter_p);                          \
-  }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(                  \
-      const uint8_t* pool, long long slot_bytes, const uint8_t* pool2, long long slot_bytes2,     \
-      long long off_codes, long long off_scales, int n_groups, int nchunks, const int8_t* aq,     \
-      const float* as, int inter_p, const int* job_range, const int* job_slot,                    \
-      const int* job_pairs, float* y, int hidden) {                                               \
-    w2<K, W2_SPLIT>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_groups, nchunks, aq, as, \
-          inter_p, job_range, job_slot, job_pairs, y, hidden);                                    \
+#define MOET_GEMMS(SUFFIX, K, BLOCKS)                                                         \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w13##SUFFIX(             \
+      const uint8_t* pool, long long slot_bytes, const uint8_t* pool2, long long slot_bytes2, \
+      long long off_codes, long long off_scales, int n_units, int nchunks, const int8_t* xq,  \
+      const float* xs, int hidden_p, int top_k, const int* job_range, const int* job_slot,    \
+      const int* job_pairs, float* h, int inter_p) {                                          \
+    w13<K, W13_SPLIT>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_units,   \
+                      nchunks, xq, xs, hidden_p, top_k, job_range, job_slot, job_pairs, h,    \
+                      inter_p);                                                               \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(THREADS, BLOCKS) moet_w2##SUFFIX(              \
+      const uint8_t* pool, long long slot_bytes, const uint8_t* pool2, long long slot_bytes2, \
+      long long off_codes, long long off_scales, int n_groups, int nchunks, const int8_t* aq, \
+      const float* as, int inter_p, const int* job_range, const int* job_slot,                \
+      const int* job_pairs, float* y, int hidden) {                                           \
+    w2<K, W2_SPLIT>(pool, slot_bytes, pool2, slot_bytes2, off_codes, off_scales, n_groups,    \
+                    nchunks, aq, as, inter_p, job_range, job_slot, job_pairs, y, hidden);     \
   }
 MOET_GEMMS(, Chunk<1>, GEMM_BLOCKS)
 MOET_GEMMS(_fp4, ChunkFp4<1>, GEMM_BLOCKS_FP4)
