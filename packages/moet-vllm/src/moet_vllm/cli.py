@@ -390,8 +390,7 @@ def preflight_serve(args: list[str]) -> None:
     tp = _serve_option(args, "--tensor-parallel-size", "-tp") or "1"
     src = ExpertSource.open(model, cfg, tp_rank=0, tp_size=int(tp) if tp.isdigit() else 1)
     try:
-        if src.tp_size > 1:
-            check_tp_split(src.inter, src.tp_size, f"{model}: --tensor-parallel-size {tp}")
+        check_tp_split(src.inter, src.tp_size, f"{model}: --tensor-parallel-size {tp}")
         if cfg.serves_fp4:
             src.fp4_kind  # noqa: B018  (refuses an FP4 tier the checkpoint cannot serve)
     finally:

@@ -45,8 +45,9 @@ PROJECTIONS = ("gate", "up", "down")
 
 def check_tp_split(inter: int, tp_size: int, where: str) -> None:
     """Refuses a tensor-parallel size that does not give each rank whole 32-blocks of the
-    experts' intermediate size (the W2 scale blocks of the down projection run along it)."""
-    if inter % tp_size or (inter // tp_size) % w2.BLOCK:
+    experts' intermediate size (the W2 scale blocks of the down projection run along it); one
+    rank splits nothing."""
+    if tp_size > 1 and (inter % tp_size or (inter // tp_size) % w2.BLOCK):
         raise MoetVllmError(
             f"{where}: intermediate size {inter} split {tp_size} ways is not a multiple of "
             f"{w2.BLOCK} per rank; use a tensor-parallel size that divides "
