@@ -64,11 +64,6 @@ constexpr int ROUTE_THREADS = 256;
 #ifndef W2_SPLIT
 #define W2_SPLIT 2
 #endif
-// 1: each warp of a team reduces and writes its share of the item's outputs (owner(), below)
-// instead of part 0 all of them (an A/B knob).
-#ifndef EPI_SPREAD
-#define EPI_SPREAD 0
-#endif
 constexpr int MAX_EXPERTS = 1024;
 
 __device__ __forceinline__ uint4 ld_stream16(const uint8_t* p) {
@@ -572,15 +567,8 @@ struct Team {
   }
 };
 
-// The part of a team that writes the outputs of f[n][rt][j] (w13: a gate row tile rt and its up
-// tile rt + 2 go together): part 0, or with EPI_SPREAD one part per (rt & 1, j) class.
-template <int S>
-__device__ __forceinline__ bool owns(const Team<S>& team, int rt, int j) {
-  return EPI_SPREAD ? ((rt & 1) * 4 + j) % S == team.part : team.part == 0;
-}
-
-// Sums the team's partials in part order into f where this part owns them (deterministic);
-// `red` is the CTA's.
+// Sums the team's partials in part order into part 0's f (deterministic), which then scales and
+// writes the item's outputs; `red` is the CTA's.
 template <int S, int NT>
 __device__ __forceinline__ void reduce_team(float (&f)[NT][4][4], float (*red)[16 * NT][32],
                                             const Team<S>& team, int lane) {
@@ -589,9 +577,9 @@ __device__ __forceinline__ void reduce_team(float (&f)[NT][4][4], float (*red)[1
 #pragma unroll
   for (int i = 0; i < 16 * NT; ++i) red[w0 + team.part][i][lane] = f[i >> 4][(i >> 2) & 3][i & 3];
   team.sync();
+  if (team.part != 0) return;
 #pragma unroll
   for (int i = 0; i < 16 * NT; ++i) {
-    if (!owns(team, (i >> 2) & 3, i & 3)) continue;
     float v = red[w0][i][lane];
 #pragma unroll
     for (int w = 1; w < S; ++w) v = __fadd_rn(v, red[w0 + w][i][lane]);
@@ -1155,7 +1143,7 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, c
     gemm64<K, S>(f, row + off_codes + (size_t)u * nchunks * K::kCodeBytes, gs + K::kScaleHead,
                  nchunks, cols, team.part, lane);
     reduce_team(f, red, team, lane);
-    if (EPI_SPREAD || team.part == 0) {
+    if (team.part == 0) {
       scale_rows<K>(f, gs, g);
       // f[n][rt][j]: gate rows rt = 0, 1 and up rows rt = 2, 3; q -> intermediate row g, g+8,
       // 16+g, 24+g of this unit; columns 2tig (j even) and 2tig+1 of n-tile n
@@ -1169,7 +1157,6 @@ __device__ __forceinline__ void w13(const uint8_t* pool, long long slot_bytes, c
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
             const int rt = q >> 1, j = (q & 1) * 2 + col;
-            if (!owns(team, rt, j)) continue;
             dst[(q & 1) * 8 + (q >> 1) * 16 + g] = __fmul_rn(silu(f[n][rt][j]), f[n][rt + 2][j]);
           }
         }
@@ -1226,7 +1213,7 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
     gemm64<K, S>(f, row + off_codes + (size_t)rg * nchunks * K::kCodeBytes, gs + K::kScaleHead,
                  nchunks, cols, team.part, lane);
     reduce_team(f, red, team, lane);
-    if (EPI_SPREAD || team.part == 0) {
+    if (team.part == 0) {
       scale_rows<K>(f, gs, g);
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -1234,7 +1221,6 @@ __device__ __forceinline__ void w2(const uint8_t* pool, long long slot_bytes, co
         for (int rt = 0; rt < 4; ++rt)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            if (!owns(team, rt, j)) continue;
             const int r = rg * 64 + rt * 16 + g + (j >> 1) * 8;
             const int pair = (j & 1) ? cols.p1[n] : cols.p0[n];
             if (pair >= 0 && r < hidden) y[(size_t)pair * hidden + r] = f[n][rt][j];
