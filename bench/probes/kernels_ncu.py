@@ -3,6 +3,9 @@
     python3 bench/probes/kernels_ncu.py [TOKENS] [SHAPE]   # default: 8 tokens, glm-5.2
     ncu --clock-control none -k regex:moet_w -c 2 --set full -o rep \
         python3 bench/probes/kernels_ncu.py 32 glm-4.5-air   # w13 and w2 at batch 32
+    ncu --import rep.ncu-rep --page details > details.txt   # the sections, per kernel
+    ncu --import rep.ncu-rep --page source --csv --print-source sass > source.csv
+        # stall samples per SASS instruction: which loads the GEMMs' stalls wait on
 """
 
 import sys
