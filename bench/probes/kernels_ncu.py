@@ -6,6 +6,7 @@
     ncu --import rep.ncu-rep --page details > details.txt   # the sections, per kernel
     ncu --import rep.ncu-rep --page source --csv --print-source sass > source.csv
         # stall samples per SASS instruction: which loads the GEMMs' stalls wait on
+    python3 bench/probes/ncu_stalls.py source.csv   # their summary: by reason, top instructions
 """
 
 import sys

@@ -1,0 +1,55 @@
+"""Where a kernel's warps wait, from Nsight Compute's source page (kernels_ncu.py's doc makes it):
+
+    python3 bench/probes/ncu_stalls.py source.csv [TOP]
+
+For each kernel: its stall samples by reason (share of all samples), then the TOP instructions
+(default 8) holding the most samples, with their offset in the kernel, their main reasons and how
+often they ran. A warp's sample is charged to the instruction it waits to issue, so a load that
+waits on `long_sb` waits on an earlier load's scoreboard, not on its own data.
+"""
+
+import collections
+import csv
+import sys
+
+ALL = "Warp Stall Sampling (All Samples)"
+
+
+def kernels(path: str):
+    """(kernel name, header, rows) per kernel section of the CSV; a kernel profiled twice (`-c`)
+    is reported once."""
+    rows = list(csv.reader(open(path, newline="")))
+    starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] + [len(rows)]
+    seen = set()
+    for s, e in zip(starts, starts[1:]):
+        name, header = rows[s][1], rows[s + 1]
+        if name not in seen:
+            seen.add(name)
+            yield name, header, [r for r in rows[s + 2 : e] if len(r) == len(header)]
+
+
+def main() -> None:
+    path, top = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8
+    for name, header, body in kernels(path):
+        col = {h: j for j, h in enumerate(header)}
+        reasons = [h for h in header if h.startswith("stall_") and "(Not" not in h]
+
+        def count(r, h, col=col):
+            return int(r[col[h]] or 0)
+
+        total = sum(count(r, ALL) for r in body)
+        by_reason = collections.Counter({h[6:]: sum(count(r, h) for r in body) for h in reasons})
+        base = int(body[0][0], 16)
+        print(f"{name}: {len(body)} instructions, {total} samples")
+        print("  " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in by_reason.most_common(6)))
+        for r in sorted(body, key=lambda r: -count(r, ALL))[:top]:
+            main_reasons = sorted(((count(r, h), h[6:]) for h in reasons), reverse=True)[:2]
+            why = ", ".join(f"{k} {v}" for v, k in main_reasons if v)
+            print(
+                f"  +{int(r[0], 16) - base:05x} {100 * count(r, ALL) / total:5.1f}%  {r[1][:58]:58s}"
+                f"  ({why}; ran {r[col['Instructions Executed']]} times)"
+            )
+
+
+if __name__ == "__main__":
+    main()
