@@ -18,7 +18,8 @@ ALL = "Warp Stall Sampling (All Samples)"
 def kernels(path: str):
     """(kernel name, header, rows) per kernel section of the CSV; a kernel profiled twice (`-c`)
     is reported once."""
-    rows = list(csv.reader(open(path, newline="")))
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     starts = [i for i, r in enumerate(rows) if r and r[0] == "Kernel Name"] + [len(rows)]
     seen = set()
     for s, e in zip(starts, starts[1:]):
@@ -32,21 +33,21 @@ def main() -> None:
     path, top = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 8
     for name, header, body in kernels(path):
         col = {h: j for j, h in enumerate(header)}
-        reasons = [h for h in header if h.startswith("stall_") and "(Not" not in h]
-
-        def count(r, h, col=col):
-            return int(r[col[h]] or 0)
-
-        total = sum(count(r, ALL) for r in body)
-        by_reason = collections.Counter({h[6:]: sum(count(r, h) for r in body) for h in reasons})
+        # reason -> column: all samples of each stall reason (not the not-issued ones)
+        reasons = {h[6:]: j for h, j in col.items() if h.startswith("stall_") and "(Not" not in h}
+        samples = [int(r[col[ALL]] or 0) for r in body]
+        total = sum(samples)
+        by_reason = collections.Counter(
+            {k: sum(int(r[j] or 0) for r in body) for k, j in reasons.items()}
+        )
         base = int(body[0][0], 16)
         print(f"{name}: {len(body)} instructions, {total} samples")
         print("  " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in by_reason.most_common(6)))
-        for r in sorted(body, key=lambda r: -count(r, ALL))[:top]:
-            main_reasons = sorted(((count(r, h), h[6:]) for h in reasons), reverse=True)[:2]
-            why = ", ".join(f"{k} {v}" for v, k in main_reasons if v)
+        for n, r in sorted(zip(samples, body), key=lambda p: -p[0])[:top]:
+            main_reasons = sorted(((int(r[j] or 0), k) for k, j in reasons.items()), reverse=True)
+            why = ", ".join(f"{k} {v}" for v, k in main_reasons[:2] if v)
             print(
-                f"  +{int(r[0], 16) - base:05x} {100 * count(r, ALL) / total:5.1f}%  {r[1][:58]:58s}"
+                f"  +{int(r[0], 16) - base:05x} {100 * n / total:5.1f}%  {r[1][:58]:58s}"
                 f"  ({why}; ran {r[col['Instructions Executed']]} times)"
             )
 
