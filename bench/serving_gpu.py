@@ -32,10 +32,10 @@ left unquantized, so vLLM 0.24 serves it with its Marlin W4A16 kernels; the dumm
 its integer weights as allocated, which the kernels' speed does not depend on), `moet` (the moet
 method, every expert resident as W2 rows, dense bf16; its config carries a moet
 `quantization_config`, so no expert tensor is read from disk), `moet-fp8` (the same, as served
-from an official FP8 checkpoint: dense layers keep the checkpoint's precision, here the e4m3
-blocks of 128 x 128 of Qwen3-235B-A22B-FP8 and DeepSeek-V3, run by vLLM's own FP8 method through
-moet's `source_quantization_config`; `fp8_block_qc`; the run stops unless `Fp8LinearMethod` is
-among the engine's `dense_methods`). No checkpoint exists:
+from an official FP8 checkpoint: dense layers keep the checkpoint's precision, that family's FP8
+scheme (`official_fp8_qc`: GLM-4.5-Air-FP8's per-row scales, Qwen3-235B-A22B-FP8's 128 x 128
+blocks), run by vLLM's own FP8 method through moet's `source_quantization_config`; the run stops
+unless one of `FP8_DENSE_METHODS` is among the engine's `dense_methods`). No checkpoint exists:
 the model directory is the shape's config.json, and every weight is made at load by one benchmark
 path for all engines, the model loader of bench/serving_gpu_engine.py (vLLM's dummy weights, then
 the routing design, then moet's synthetic W2 experts; see that module's doc for how the routing is
@@ -109,6 +109,9 @@ sys.path.insert(0, str(HERE))
 from provenance import machine, portable_arg, provenance  # noqa: E402  (bench/)
 
 ENGINES = ("stock-bf16", "stock-fp8", "stock-int4", "moet", "moet-fp8")
+# how moet-fp8's dense projections must run (bench_info's `dense_methods`: a compressed-tensors
+# layer names its scheme)
+FP8_DENSE_METHODS = {"Fp8LinearMethod", "CompressedTensorsLinearMethod/CompressedTensorsW8A8Fp8"}
 GPTQ_QC = {  # stock-int4: GPTQ W4A16 as vLLM 0.24 serves it (Marlin); "-:" skips the routers
     "quant_method": "gptq",
     "bits": 4,
@@ -142,19 +145,19 @@ MOET_QC = {  # what `moet convert` writes, for experts that never existed on dis
 }
 
 
-def fp8_block_qc(n_layers: int) -> dict:
-    """moet-fp8's dense layers: the FP8 scheme of official FP8 MoE checkpoints (Qwen3-235B-A22B-FP8,
-    DeepSeek-V3): e4m3 weights with a scale per 128 x 128 block, activations quantized per token
-    and 128 columns at run time; routers and lm_head stay unquantized (the checkpoints list them
-    in modules_to_not_convert)."""
-    return {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["lm_head"]
-        + [f"model.layers.{i}.mlp.gate" for i in range(n_layers)],
-    }
+def official_fp8_qc(cfg: dict) -> dict:
+    """moet-fp8's dense layers: the FP8 scheme of the family's official FP8 checkpoint, routers and
+    lm_head left unquantized as those checkpoints leave them. GLM-4.5 (zai-org/GLM-4.5-Air-FP8,
+    llm-compressor): compressed-tensors, e4m3 weights with a scale per output row, activations
+    quantized per token at run time (its dense MLP's 10944 rows are no multiple of 128, which
+    vLLM's block-FP8 method refuses). Others (Qwen3-235B-A22B-FP8, DeepSeek-V3): e4m3 with a scale
+    per 128 x 128 block, activations per token and 128 columns."""
+    from moet_quant import synth
+
+    keep = ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(cfg["num_hidden_layers"])]
+    if cfg["model_type"] == "glm4_moe":
+        return {**synth.quantization_config("fp8-channel"), "ignore": keep}
+    return {**synth.quantization_config("fp8-block"), "modules_to_not_convert": keep}
 
 
 def has_cuda() -> bool:
@@ -241,8 +244,7 @@ def make_model_dir(cfg: dict, engine: str, where: Path, source: dict) -> Path:
     if engine.startswith("moet"):  # experts from the benchmark's source (tiered: the packs)
         cfg["quantization_config"] = {**MOET_QC, "expert_source": source}
     if engine == "moet-fp8":  # its dense layers run as the FP8 checkpoint's (MoetConfig.dense)
-        qc = fp8_block_qc(cfg["num_hidden_layers"])
-        cfg["quantization_config"]["source_quantization_config"] = qc
+        cfg["quantization_config"]["source_quantization_config"] = official_fp8_qc(cfg)
     if engine == "stock-int4":
         cfg["quantization_config"] = GPTQ_QC
     (d / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
@@ -397,10 +399,10 @@ def run(args) -> Path:
     d = design(spec, n_moe)
     if info["design_digest"] != d.digest():
         raise SystemExit("the engine's routing design differs from the driver's (digest)")
-    if args.engine == "moet-fp8" and "Fp8LinearMethod" not in info["dense_methods"]:
+    if args.engine == "moet-fp8" and not FP8_DENSE_METHODS & set(info["dense_methods"]):
         raise SystemExit(
-            f"moet-fp8: its dense layers run {info['dense_methods']}, not vLLM's FP8 method "
-            "(Fp8LinearMethod): the run would measure another engine"
+            f"moet-fp8: its dense layers run {info['dense_methods']}, none of vLLM's FP8 methods "
+            f"({', '.join(sorted(FP8_DENSE_METHODS))}): the run would measure another engine"
         )
     if n_moe != geo["moe_layers"]:
         print(f"note: the engine has {n_moe} MoE layers, the config suggests {geo['moe_layers']}")

@@ -538,7 +538,9 @@ class BenchWorker:
         from vllm.model_executor.layers.linear import LinearBase
 
         dense_methods = {  # how the dense projections run (routers included)
-            type(m.quant_method).__name__ for m in model.modules() if isinstance(m, LinearBase)
+            "/".join(type(x).__name__ for x in (m.quant_method, getattr(m, "scheme", None)) if x)
+            for m in model.modules()
+            if isinstance(m, LinearBase)
         }
         out.update(
             dense_methods=sorted(dense_methods),

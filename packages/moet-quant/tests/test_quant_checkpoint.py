@@ -17,6 +17,7 @@ CASES = [
     ("mixtral", "fp16", False),
     ("glm", "fp8-block", False),
     ("deepseek", "fp8-pb-wo", False),
+    ("glm", "fp8-channel", False),
     ("qwen3-moe", "nvfp4", False),
     ("gpt-oss", "mxfp4", False),
     ("gpt-oss", "bf16", False),

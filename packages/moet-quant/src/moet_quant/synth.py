@@ -48,7 +48,17 @@ FAMILY_CONFIGS = {
         "inter_key": "intermediate_size",
     },
 }
-FORMATS = ("bf16", "fp16", "fp32", "fp8-block", "fp8-pb-wo", "nvfp4", "mxfp4", "int4-pack")
+FORMATS = (
+    "bf16",
+    "fp16",
+    "fp32",
+    "fp8-block",
+    "fp8-pb-wo",
+    "fp8-channel",
+    "nvfp4",
+    "mxfp4",
+    "int4-pack",
+)
 
 
 # --- round-to-nearest encoders (test data producers) --------------------------------------------
@@ -81,6 +91,13 @@ def fp8_block(w: np.ndarray, block: int = 128) -> tuple[np.ndarray, np.ndarray]:
     scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32).astype(np.float64)
     full = np.repeat(np.repeat(scale, block, 0), block, 1)[:n, :k]
     return encode_e4m3(w / full), scale.astype(np.float32)
+
+
+def fp8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """e4m3 with one fp32 scale per output row, [N, 1] (llm-compressor's `channel` strategy)."""
+    amax = np.abs(w).max(axis=1, keepdims=True)
+    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    return encode_e4m3(w / scale.astype(np.float64)), scale
 
 
 def nvfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -136,6 +153,9 @@ def projection_tensors(prefix: str, w: np.ndarray, fmt: str) -> list[tuple[str, 
             (f"{prefix}.weight", "F8_E4M3", q),
             (f"{prefix}.weight_scale", "F32", s.reshape(s.shape[0], 1, s.shape[1], 1)),
         ]
+    if fmt == "fp8-channel":
+        q, s = fp8_channel(w)
+        return [(f"{prefix}.weight", "F8_E4M3", q), (f"{prefix}.weight_scale", "F32", s)]
     if fmt == "nvfp4":
         q, s1, s2 = nvfp4(w)
         return [
@@ -181,6 +201,32 @@ def quantization_config(fmt: str) -> dict | None:
                         "actorder": None,
                     },
                     "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+        }
+    if fmt == "fp8-channel":  # zai-org/GLM-4.5-Air-FP8's scheme (llm-compressor FP8 dynamic)
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "channel",
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "symmetric": True,
+                        "strategy": "token",
+                        "dynamic": True,
+                    },
                     "output_activations": None,
                 }
             },
