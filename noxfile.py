@@ -32,7 +32,8 @@ NATIVE = {"moet-store"}  # packages with compiled extensions (auditwheel-repaire
 # moet-vllm's tests are mostly vLLM engine boots, each of which keeps about one core busy: two
 # pytest workers (pytest-xdist), a test file per worker so that a file's module fixtures are made
 # once (-n 0 in the session's arguments runs them in one process)
-PARALLEL = {"vllm": ["-n", "2", "--dist", "loadfile"]}
+# a file per worker at a time, in the files' collected order (moet-vllm's conftest.py: slowest first)
+PARALLEL = {"vllm": ["-n", "2", "--dist", "loadfile", "--no-loadscope-reorder"]}
 
 
 def _pkg_dir(short: str) -> Path:
