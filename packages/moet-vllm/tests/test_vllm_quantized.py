@@ -17,18 +17,12 @@ from quantized_models import write_quantized
 from serving import hf_reference_tokens, run_vllm
 from tiny_models import write_tiny_model
 
-from moet_quant import convert
+from moet_quant import convert, synth
 
 pytest.importorskip("vllm")
 pytest.importorskip("modelopt")
 sys.path.insert(0, str(Path(__file__).parents[2] / "moet-quant" / "tests"))
 import modelopt_export as mx  # noqa: E402  (moet-quant's modelopt producer)
-
-METHOD = {
-    "fp8-block": "fp8",
-    "fp8-channel": "compressed-tensors",
-    "int4-pack": "compressed-tensors",
-}
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +54,9 @@ def test_quantized_checkpoint_requantized_at_load_matches_transformers(variant, 
     ckpt, reference = variant(fmt)
     r = run_vllm(ckpt, tmp_path, fmt, "moet", {"MOET_CACHE_DIR": str(tmp_path / "cache")})
     assert f"re-quantized at load ({fmt}, 2 MoE layers x 16 experts)" in r["log"]
+    method = synth.quantization_config(fmt)["quant_method"]
     assert (
-        f"dense layers of this '{METHOD[fmt]}' checkpoint (8 projections, {fmt}) are "
+        f"dense layers of this '{method}' checkpoint (8 projections, {fmt}) are "
         "dequantized exactly to float32 at load: vLLM does not run that method here"
     ) in r["log"]
     assert r["tokens"] == reference

@@ -516,9 +516,10 @@ def decode_projection(
                 ),
                 None,
             )
-        if int(np.prod(s.shape)) in (1, n):
+        scales = int(np.prod(s.shape))
+        if scales in (1, n):
             return (
-                "fp8-tensor" if int(np.prod(s.shape)) == 1 else "fp8-channel",
+                "fp8-tensor" if scales == 1 else "fp8-channel",
                 (n, k),
                 lambda: formats.from_fp8_tensor(
                     st.array(w.name), formats.scale_to_f64(st.array(s.name), s.dtype), base
