@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from pathlib import Path
@@ -204,6 +205,12 @@ def tool_call(client) -> None:
     print(f"   reply: {reply.choices[0].message.content!r}")
 
 
+def show(label: str, text: str) -> None:
+    """One server line, whole, wrapped under its label."""
+    print(textwrap.fill(text, 100, initial_indent=f"   {label}: ",
+                        subsequent_indent=" " * (len(label) + 5)))  # fmt: skip
+
+
 def tier_summary(log_path: Path, port: int) -> None:
     from moet_quant.checkpoint import open_checkpoint
 
@@ -222,12 +229,12 @@ def tier_summary(log_path: Path, port: int) -> None:
     kpi = [ln.split("moet KPI:", 1)[1].strip() for ln in lines if "moet KPI:" in ln]
     for ln in lines:
         if "moet:" in ln:
-            print(f"   server: {ln.split('moet:', 1)[1].strip()[:150]}")
+            show("server", ln.split("moet:", 1)[1].strip())
     for ln in kpi[-3:]:  # the residency KPI, every 8 steps: the last ones
-        print(f"   KPI: {ln[:150]}")
+        show("KPI", ln)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         metrics = [ln for ln in r.read().decode().splitlines() if ln.startswith("moet_")]
-    print("   /metrics: " + ", ".join(m.replace('{rank="0"}', "") for m in metrics[:6]))
+    show("/metrics", ", ".join(m.replace('{rank="0"}', "") for m in metrics[:6]))
 
 
 def main() -> int:
